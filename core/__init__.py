@@ -1,0 +1,1 @@
+"""chunkcache.core: chunk ids, access table, prefix tree, ledgers, registry and metrics."""

@@ -1,0 +1,1 @@
+"""Framework integrations: LangChain, LlamaIndex and vLLM."""

@@ -1,0 +1,1 @@
+"""Tensor code only: RoPE at arbitrary positions, scattered-row attention, recompute steps."""
