@@ -1,0 +1,114 @@
+"""``ChunkCache``: the state both sides of a RAG app share.
+
+It holds the access table, the chunk-prefix tree, the conversation ledger and
+the chunk registry.  Retriever wrappers call :meth:`ChunkCache.arrange` once per
+request; LLM wrappers read the registry.  Wrappers created without ``cache=``
+share :func:`default_cache`, so a retriever and an LLM cooperate unwired.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chunkcache.core.access_table import DEFAULT_WINDOW, AccessTable
+from chunkcache.core.ledger import ConversationLedger, DedupeMode, check_dedupe_mode
+from chunkcache.core.ordering import Ordering, check_ordering, order_chunks
+from chunkcache.core.prefix_tree import DEFAULT_PROMOTION_THRESHOLD, ChunkPrefixTree
+from chunkcache.core.registry import ChunkRegistry
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """How one request's chunks go into the prompt.
+
+    ``order``: chunk ids to place, in prompt order.  ``dropped``: ids left out
+    because the conversation already holds them.  ``seen``: ids the conversation
+    held before this request.  ``prefix_length``: how many leading chunks of
+    ``order`` were a cached chunk-prefix before this request.
+    """
+
+    order: list[str]
+    dropped: list[str]
+    seen: frozenset[str]
+    prefix_length: int
+
+
+class ChunkCache:
+    """Shared chunk state: access table, prefix tree, conversation ledger, registry."""
+
+    def __init__(
+        self,
+        *,
+        window: int = DEFAULT_WINDOW,
+        promotion_threshold: int = DEFAULT_PROMOTION_THRESHOLD,
+        namespace: str = "",
+        ledger: ConversationLedger | None = None,
+        registry: ChunkRegistry | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.access_table = AccessTable(window)
+        # Each request adds at most a few promoted nodes; 16 per windowed request
+        # keeps the tree bounded by the window, as the access table is.
+        self.prefix_tree = ChunkPrefixTree(promotion_threshold, max_nodes=16 * window)
+        self.ledger = ledger or ConversationLedger()
+        self.registry = registry or ChunkRegistry()
+        self._lock = threading.Lock()
+        self.num_requests = 0
+
+    def arrange(
+        self,
+        chunk_ids: Sequence[str],
+        *,
+        conversation_id: str | None = None,
+        ordering: Ordering = "tree",
+        dedupe: DedupeMode = "mark",
+    ) -> Arrangement:
+        """Record one request's retrieved chunks and decide their prompt order.
+
+        CRAFT §4.2: the access table counts every retrieved chunk; the chunks the
+        conversation does not drop (§4.3) are ordered, and the prefix tree
+        promotes or extends the chosen order.
+        """
+        check_ordering(ordering)
+        check_dedupe_mode(dedupe)
+        unique = list(dict.fromkeys(chunk_ids))
+        if conversation_id is not None:
+            deduped = self.ledger.apply(conversation_id, unique, dedupe)
+            kept, dropped, seen = deduped.kept, deduped.dropped, deduped.seen
+        else:
+            kept, dropped, seen = unique, [], frozenset()
+        with self._lock:
+            self.num_requests += 1
+            self.access_table.record(unique)
+            order = order_chunks(kept, ordering, self.access_table, self.prefix_tree)
+            prefix_length = self.prefix_tree.longest_prefix_length(order)
+            self.prefix_tree.update(order, self.access_table.count)
+        return Arrangement(order=order, dropped=dropped, seen=seen, prefix_length=prefix_length)
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes of each part, for logs and benchmarks."""
+        return {
+            "requests": self.num_requests,
+            "access_table_chunks": len(self.access_table),
+            "access_table_requests": self.access_table.num_requests,
+            "prefix_tree_nodes": len(self.prefix_tree),
+            "conversations": len(self.ledger),
+            "registered_chunks": len(self.registry),
+            "registered_chars": self.registry.num_chars,
+        }
+
+
+_default_cache: ChunkCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> ChunkCache:
+    """The process-wide cache that wrappers use when given no ``cache=``."""
+    global _default_cache
+    with _default_lock:
+        if _default_cache is None:
+            _default_cache = ChunkCache()
+        return _default_cache

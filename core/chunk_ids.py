@@ -1,0 +1,72 @@
+"""Stable content ids for chunks.
+
+A chunk id is the first 128 bits of BLAKE2b over the Unicode-NFC form of the
+chunk text, prefixed by a version tag and the namespace.  It depends on nothing
+but the text and the namespace, so every process on every machine computes the
+same id for the same chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Mapping
+from typing import Any
+
+from chunkcache.core.errors import InvalidChunkError
+
+CHUNK_ID_METADATA_KEY = "chunk_id"
+_ID_TAG = b"chunkcache/chunk-id/v1\x00"
+_MAX_ID_LENGTH = 128
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
+
+
+def normalize_text(text: str) -> str:
+    """Return the NFC form of ``text``, the form every id and match is computed on."""
+    if not isinstance(text, str):
+        raise TypeError(f"chunk text must be str, got {type(text).__name__}")
+    return unicodedata.normalize("NFC", text)
+
+
+def chunk_id(text: str, namespace: str = "") -> str:
+    """Return the stable 32-hex-char id of ``text`` within ``namespace``.
+
+    >>> chunk_id("hello world")
+    'aa2b272e0007adbdfa8bb32120defe03'
+    >>> chunk_id("hello world") == chunk_id("hello world", namespace="tenant-a")
+    False
+
+    Raises :class:`InvalidChunkError` for empty or whitespace-only text.
+    """
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be str, got {type(namespace).__name__}")
+    normalized = normalize_text(text)
+    if not normalized.strip():
+        raise InvalidChunkError("chunk text is empty or whitespace only")
+    namespace_bytes = namespace.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(_ID_TAG)
+    digest.update(len(namespace_bytes).to_bytes(8, "big"))
+    digest.update(namespace_bytes)
+    # Lone surrogates cannot be encoded strictly; surrogatepass gives them a defined id.
+    digest.update(normalized.encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def validate_chunk_id(value: object) -> str:
+    """Check a caller-supplied chunk id (e.g. ``metadata["chunk_id"]``) and return it."""
+    if not isinstance(value, str):
+        raise InvalidChunkError(f"chunk id must be str, got {type(value).__name__}")
+    if not value or len(value) > _MAX_ID_LENGTH or not _VALID_ID.match(value):
+        raise InvalidChunkError(
+            f"chunk id {value[:40]!r} must be 1-{_MAX_ID_LENGTH} chars of [A-Za-z0-9._:-]"
+        )
+    return value
+
+
+def chunk_id_for(text: str, metadata: Mapping[str, Any] | None, namespace: str = "") -> str:
+    """Id for a document: its ``metadata["chunk_id"]`` if present, else the content hash."""
+    if metadata and metadata.get(CHUNK_ID_METADATA_KEY) is not None:
+        return validate_chunk_id(metadata[CHUNK_ID_METADATA_KEY])
+    return chunk_id(text, namespace)

@@ -1,0 +1,161 @@
+"""CRAFT's ChunkMap: the chunk ids each conversation has already put in its prompts.
+
+CRAFT §4.3: a chunk already in an earlier turn of the same conversation is
+already in the conversation's context (its KV too), so the new turn may drop it
+(``drop``), keep it but say so (``mark``), or ignore the ledger (``off``).
+Dropping is only safe when every earlier turn's chunks stay in the prompt, which
+is what the multi-turn layout helpers guarantee.
+
+The ledger is bounded: at most ``max_conversations`` (least recently used go
+first), each forgotten ``ttl_s`` seconds after its last use, each holding at
+most ``max_chunks_per_conversation`` ids.  All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from chunkcache.core.errors import InvalidConversationIdError
+
+DedupeMode = Literal["drop", "mark", "off"]
+DEDUPE_MODES: tuple[str, ...] = get_args(DedupeMode)
+MAX_CONVERSATION_ID_LENGTH = 256
+
+
+def check_dedupe_mode(mode: str) -> DedupeMode:
+    """Return ``mode`` if it names a dedupe mode, else raise ValueError."""
+    if mode not in DEDUPE_MODES:
+        raise ValueError(f"unknown dedupe mode {mode!r}; choose one of {DEDUPE_MODES}")
+    return mode  # type: ignore[return-value]
+
+
+def check_conversation_id(conversation_id: object) -> str:
+    """Return a usable conversation id or raise :class:`InvalidConversationIdError`."""
+    if not isinstance(conversation_id, str | int) or isinstance(conversation_id, bool):
+        raise InvalidConversationIdError(
+            f"conversation id must be str or int, got {type(conversation_id).__name__}"
+        )
+    text = str(conversation_id)
+    if not text or len(text) > MAX_CONVERSATION_ID_LENGTH:
+        raise InvalidConversationIdError(
+            f"conversation id must be 1-{MAX_CONVERSATION_ID_LENGTH} characters"
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class DedupeResult:
+    """What a turn keeps: ``kept`` in input order, and which of them or others were seen."""
+
+    kept: list[str]
+    dropped: list[str]
+    seen: frozenset[str]
+
+
+@dataclass
+class _Conversation:
+    chunk_ids: dict[str, None]
+    last_used: float
+
+
+class ConversationLedger:
+    """Per-conversation sets of chunk ids, bounded by LRU, TTL and size."""
+
+    def __init__(
+        self,
+        max_conversations: int = 10_000,
+        ttl_s: float = 24 * 3600.0,
+        max_chunks_per_conversation: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_conversations < 1 or max_chunks_per_conversation < 1 or ttl_s <= 0:
+            raise ValueError("ledger bounds must be positive")
+        self.max_conversations = max_conversations
+        self.ttl_s = ttl_s
+        self.max_chunks_per_conversation = max_chunks_per_conversation
+        self._clock = clock
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire(self._clock())
+            return len(self._conversations)
+
+    def __contains__(self, conversation_id: object) -> bool:
+        with self._lock:
+            self._expire(self._clock())
+            return conversation_id in self._conversations
+
+    def seen(self, conversation_id: str) -> frozenset[str]:
+        """Chunk ids already in ``conversation_id``; empty for an unknown or expired id."""
+        key = check_conversation_id(conversation_id)
+        with self._lock:
+            self._expire(self._clock())
+            conversation = self._conversations.get(key)
+            return frozenset(conversation.chunk_ids) if conversation else frozenset()
+
+    def apply(
+        self, conversation_id: str, chunk_ids: Sequence[str], mode: DedupeMode
+    ) -> DedupeResult:
+        """Dedupe one turn's chunks against the conversation, then record them as seen.
+
+        An unknown (or expired) conversation id starts a new conversation.
+        """
+        check_dedupe_mode(mode)
+        key = check_conversation_id(conversation_id)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            conversation = self._conversations.get(key)
+            seen = frozenset(conversation.chunk_ids) if conversation else frozenset()
+            unique = list(dict.fromkeys(chunk_ids))
+            if mode == "drop":
+                kept = [cid for cid in unique if cid not in seen]
+            else:
+                kept = unique
+            dropped = [cid for cid in unique if cid not in kept]
+            if mode != "off":
+                self._record(key, kept, now)
+            return DedupeResult(kept=kept, dropped=dropped, seen=seen)
+
+    def record(self, conversation_id: str, chunk_ids: Iterable[str]) -> None:
+        """Mark ``chunk_ids`` as in the conversation's context."""
+        key = check_conversation_id(conversation_id)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._record(key, chunk_ids, now)
+
+    def forget(self, conversation_id: str) -> bool:
+        """Drop a conversation (e.g. when its history is cleared). True if it existed."""
+        key = check_conversation_id(conversation_id)
+        with self._lock:
+            return self._conversations.pop(key, None) is not None
+
+    def _record(self, key: str, chunk_ids: Iterable[str], now: float) -> None:
+        conversation = self._conversations.get(key)
+        if conversation is None:
+            conversation = _Conversation(chunk_ids={}, last_used=now)
+            self._conversations[key] = conversation
+        conversation.last_used = now
+        self._conversations.move_to_end(key)
+        for cid in chunk_ids:
+            conversation.chunk_ids[cid] = None
+        # Oldest ids go first when a conversation outgrows its bound.
+        while len(conversation.chunk_ids) > self.max_chunks_per_conversation:
+            del conversation.chunk_ids[next(iter(conversation.chunk_ids))]
+        while len(self._conversations) > self.max_conversations:
+            self._conversations.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        while self._conversations:
+            key, oldest = next(iter(self._conversations.items()))
+            if now - oldest.last_used <= self.ttl_s:
+                return
+            del self._conversations[key]
