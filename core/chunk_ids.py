@@ -19,7 +19,8 @@ from chunkcache.core.errors import InvalidChunkError
 CHUNK_ID_METADATA_KEY = "chunk_id"
 _ID_TAG = b"chunkcache/chunk-id/v1\x00"
 _MAX_ID_LENGTH = 128
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
+# Used with fullmatch: a `^...$` match would let a trailing newline through.
+_VALID_ID = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
 def normalize_text(text: str) -> str:
@@ -58,7 +59,7 @@ def validate_chunk_id(value: object) -> str:
     """Check a caller-supplied chunk id (e.g. ``metadata["chunk_id"]``) and return it."""
     if not isinstance(value, str):
         raise InvalidChunkError(f"chunk id must be str, got {type(value).__name__}")
-    if not value or len(value) > _MAX_ID_LENGTH or not _VALID_ID.match(value):
+    if not value or len(value) > _MAX_ID_LENGTH or not _VALID_ID.fullmatch(value):
         raise InvalidChunkError(
             f"chunk id {value[:40]!r} must be 1-{_MAX_ID_LENGTH} chars of [A-Za-z0-9._:-]"
         )
