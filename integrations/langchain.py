@@ -1,0 +1,145 @@
+"""LangChain drop-ins: :class:`ChunkCacheRetriever` (and, with the engine, ``ChunkCacheLLM``).
+
+Wrap any retriever; every document comes back with a stable ``chunk_id``, in an
+order that lines shared chunks up as prompt prefixes, minus (or marked with)
+the chunks this conversation already has.
+
+>>> from chunkcache.integrations.langchain import ChunkCacheRetriever
+>>> retriever = ChunkCacheRetriever(base_retriever=vectorstore.as_retriever())  # doctest: +SKIP
+>>> docs = retriever.invoke(  # doctest: +SKIP
+...     "How do I parse JSON?", config={"configurable": {"session_id": "user-42"}}
+... )
+>>> docs[0].metadata["chunk_id"]  # doctest: +SKIP
+'3f0c...'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig, ensure_config
+from pydantic import ConfigDict, Field
+
+from chunkcache.core.cache import ChunkCache, default_cache
+from chunkcache.core.ledger import DedupeMode
+from chunkcache.core.ordering import Ordering
+from chunkcache.core.retrieval import RetrievalPlan, conversation_id_from, plan_retrieval
+
+__all__ = ["ChunkCacheRetriever", "conversation_id_from_config"]
+
+
+def conversation_id_from_config(config: RunnableConfig | None) -> str | None:
+    """The conversation id in ``config["configurable"]``: ``conversation_id``,
+    ``session_id`` or ``thread_id``, the first one set."""
+    return conversation_id_from(ensure_config(config).get("configurable"))
+
+
+class ChunkCacheRetriever(BaseRetriever):
+    """Wraps a retriever: stable chunk ids, cache-friendly order, conversation dedupe.
+
+    Args:
+        base_retriever: the retriever whose documents are returned.
+        cache: shared chunk state; the process-wide default when omitted, so an
+            LLM wrapper created without ``cache=`` sees the same chunks.
+        ordering: ``"tree"`` (default; follow earlier orders, then frequency),
+            ``"frequency"`` (CRAFT §4.2) or ``"retriever"`` (unchanged).
+        dedupe: ``"mark"`` (default; keep seen chunks, set
+            ``metadata["seen_in_conversation"]``), ``"drop"`` (leave them out: only
+            safe when earlier turns' chunks stay in the prompt, see
+            :func:`chunkcache.integrations.langchain_history.with_chunk_history`)
+            or ``"off"``.
+        k: number of documents to ask the base retriever for (forwarded as ``k``).
+
+    The conversation id comes from ``config["configurable"]`` (``conversation_id``,
+    ``session_id`` or ``thread_id``) or a ``conversation_id=`` keyword; without
+    one, nothing is deduped.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    base_retriever: BaseRetriever
+    cache: ChunkCache = Field(default_factory=default_cache)
+    ordering: Ordering = "tree"
+    dedupe: DedupeMode = "mark"
+    k: int | None = Field(default=None, ge=1)
+
+    def invoke(
+        self, input: str, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[Document]:
+        # langchain-core does not pass the caller's config to _get_relevant_documents,
+        # so the conversation id is read here (as EnsembleRetriever does).
+        kwargs.setdefault("conversation_id", conversation_id_from_config(config))
+        return super().invoke(input, config, **kwargs)
+
+    async def ainvoke(
+        self, input: str, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[Document]:
+        kwargs.setdefault("conversation_id", conversation_id_from_config(config))
+        return await super().ainvoke(input, config, **kwargs)
+
+    def _get_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        conversation_id: str | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        documents = self.base_retriever.invoke(
+            query, config={"callbacks": run_manager.get_child()}, **self._base_kwargs(kwargs)
+        )
+        return self._arrange(documents, conversation_id)
+
+    async def _aget_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        conversation_id: str | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        documents = await self.base_retriever.ainvoke(
+            query, config={"callbacks": run_manager.get_child()}, **self._base_kwargs(kwargs)
+        )
+        return self._arrange(documents, conversation_id)
+
+    def _base_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.k is not None:
+            return {"k": self.k, **kwargs}
+        return kwargs
+
+    def _arrange(self, documents: list[Document], conversation_id: str | None) -> list[Document]:
+        plan = plan_retrieval(
+            [(doc.page_content, doc.metadata) for doc in documents],
+            self.cache,
+            conversation_id=conversation_id,
+            ordering=self.ordering,
+            dedupe=self.dedupe,
+        )
+        return _documents_from_plan(documents, plan, mark_seen=self.dedupe == "mark")
+
+
+def _documents_from_plan(
+    documents: list[Document], plan: RetrievalPlan, *, mark_seen: bool
+) -> list[Document]:
+    """Copies of the planned documents, in plan order, with chunkcache metadata."""
+    arranged = []
+    for chunk in plan.chunks:
+        source = documents[chunk.source_index]
+        metadata = {
+            **source.metadata,
+            "chunk_id": chunk.chunk_id,
+            "retriever_rank": chunk.retriever_rank,
+        }
+        if mark_seen:
+            metadata["seen_in_conversation"] = chunk.seen_in_conversation
+        arranged.append(
+            source.model_copy(update={"metadata": metadata, "id": source.id or chunk.chunk_id})
+        )
+    return arranged

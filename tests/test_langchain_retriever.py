@@ -1,0 +1,158 @@
+"""ChunkCacheRetriever for LangChain: metadata, dedupe, ordering, config, k, async."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+
+from chunkcache.core import ChunkCache, chunk_id
+from chunkcache.integrations.langchain import ChunkCacheRetriever, conversation_id_from_config
+
+
+class ListRetriever(BaseRetriever):
+    """Returns ``documents[start:start + k]`` where the query names ``start``."""
+
+    documents: list[Document]
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int = 3
+    ) -> list[Document]:
+        start = int(query)
+        return self.documents[start : start + k]
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: Any, k: int = 3
+    ) -> list[Document]:
+        return self._get_relevant_documents(query, run_manager=run_manager, k=k)
+
+
+def make_retriever(texts: list[str], **kwargs: Any) -> ChunkCacheRetriever:
+    base = ListRetriever(documents=[Document(page_content=t) for t in texts])
+    return ChunkCacheRetriever(base_retriever=base, cache=ChunkCache(), **kwargs)
+
+
+TEXTS = [f"chunk number {i}" for i in range(10)]
+
+
+def session(name: str) -> dict[str, Any]:
+    return {"configurable": {"session_id": name}}
+
+
+def test_every_document_gets_chunk_metadata_and_id() -> None:
+    docs = make_retriever(TEXTS).invoke("0")
+    assert [d.metadata["chunk_id"] for d in docs] == [chunk_id(t) for t in TEXTS[:3]]
+    assert [d.metadata["retriever_rank"] for d in docs] == [0, 1, 2]
+    assert all(d.id == d.metadata["chunk_id"] for d in docs)
+
+
+def test_existing_ids_are_kept_and_base_documents_untouched() -> None:
+    source = Document(page_content="text", id="doc-7", metadata={"chunk_id": "my-id"})
+    base = ListRetriever(documents=[source])
+    (doc,) = ChunkCacheRetriever(base_retriever=base, cache=ChunkCache()).invoke("0")
+    assert (doc.id, doc.metadata["chunk_id"]) == ("doc-7", "my-id")
+    assert source.metadata == {"chunk_id": "my-id"}
+
+
+def test_duplicate_documents_collapse_to_best_rank() -> None:
+    docs = make_retriever(["a", "b", "a", "c"]).invoke("0", k=4)
+    assert [d.page_content for d in docs] == ["a", "b", "c"]
+    assert [d.metadata["retriever_rank"] for d in docs] == [0, 1, 2]
+
+
+def test_k_is_forwarded_from_constructor_and_call() -> None:
+    assert len(make_retriever(TEXTS, k=5).invoke("0")) == 5
+    assert len(make_retriever(TEXTS, k=5).invoke("0", k=2)) == 2
+
+
+@pytest.mark.parametrize("key", ["conversation_id", "session_id", "thread_id"])
+def test_conversation_id_read_from_any_config_key(key: str) -> None:
+    assert conversation_id_from_config({"configurable": {key: "c1"}}) == "c1"
+
+
+def test_conversation_id_key_precedence() -> None:
+    config = {"configurable": {"thread_id": "t", "conversation_id": "c"}}
+    assert conversation_id_from_config(config) == "c"
+    assert conversation_id_from_config(None) is None
+
+
+def test_drop_removes_chunks_seen_earlier_in_the_same_conversation_only() -> None:
+    retriever = make_retriever(TEXTS, dedupe="drop")
+    retriever.invoke("0", config=session("s1"))
+    again = retriever.invoke("1", config=session("s1"))
+    assert [d.page_content for d in again] == [TEXTS[3]]
+    other = retriever.invoke("1", config=session("s2"))
+    assert len(other) == 3
+
+
+def test_mark_keeps_chunks_and_flags_seen_ones() -> None:
+    retriever = make_retriever(TEXTS, dedupe="mark")
+    retriever.invoke("0", config=session("s1"))
+    docs = retriever.invoke("1", config=session("s1"))
+    seen = {d.page_content: d.metadata["seen_in_conversation"] for d in docs}
+    assert seen == {TEXTS[1]: True, TEXTS[2]: True, TEXTS[3]: False}
+
+
+def test_off_neither_drops_nor_marks() -> None:
+    retriever = make_retriever(TEXTS, dedupe="off")
+    retriever.invoke("0", config=session("s1"))
+    docs = retriever.invoke("0", config=session("s1"))
+    assert len(docs) == 3
+    assert all("seen_in_conversation" not in d.metadata for d in docs)
+
+
+def test_frequency_order_puts_popular_chunks_first() -> None:
+    retriever = make_retriever(TEXTS, ordering="frequency")
+    for _ in range(3):
+        retriever.invoke("2", k=1)
+    docs = retriever.invoke("0", k=3)
+    assert docs[0].page_content == TEXTS[2]
+
+
+def test_retriever_order_is_left_alone() -> None:
+    retriever = make_retriever(TEXTS, ordering="retriever")
+    retriever.invoke("2", k=1)
+    assert [d.page_content for d in retriever.invoke("0")] == TEXTS[:3]
+
+
+def test_equal_sets_get_equal_orders() -> None:
+    texts = ["x", "y", "z", "x", "y"]
+    retriever = make_retriever(texts, ordering="tree")
+    first = retriever.invoke("0", k=3)
+    second = retriever.invoke("1", k=3)  # y, z, x: same set, other order
+    assert [d.page_content for d in first] == [d.page_content for d in second]
+
+
+def test_empty_documents_are_left_out() -> None:
+    docs = make_retriever(["", "  \n", "real text"]).invoke("0")
+    assert [d.page_content for d in docs] == ["real text"]
+
+
+def test_invalid_settings_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        make_retriever(TEXTS, ordering="random")
+    with pytest.raises(ValueError):
+        make_retriever(TEXTS, dedupe="sometimes")
+
+
+def test_wrappers_share_the_default_cache() -> None:
+    base = ListRetriever(documents=[Document(page_content=t) for t in TEXTS])
+    first = ChunkCacheRetriever(base_retriever=base)
+    second = ChunkCacheRetriever(base_retriever=base)
+    assert first.cache is second.cache
+
+
+def test_registers_chunk_texts_for_the_llm_side() -> None:
+    retriever = make_retriever(TEXTS)
+    docs = retriever.invoke("0")
+    assert retriever.cache.registry.get(docs[0].metadata["chunk_id"]) == docs[0].page_content
+
+
+async def test_async_matches_sync() -> None:
+    retriever = make_retriever(TEXTS, dedupe="drop")
+    await retriever.ainvoke("0", config=session("a"))
+    docs = await retriever.ainvoke("1", config=session("a"), k=3)
+    assert [d.page_content for d in docs] == [TEXTS[3]]
