@@ -100,7 +100,8 @@ class ChunkPrefixTree:
         for cid in chunk_ids:
             child = node.children.get(cid)
             if child is None:
-                if count(cid) < self.promotion_threshold:
+                # A path longer than max_nodes could never fit: stop growing it there.
+                if len(path) >= self.max_nodes or count(cid) < self.promotion_threshold:
                     break
                 child = PrefixNode(chunk_id=cid, parent=node, depth=node.depth + 1)
                 node.children[cid] = child
