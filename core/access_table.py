@@ -47,10 +47,12 @@ class AccessTable:
         """Count one request that retrieved ``chunk_ids`` (duplicates count once)."""
         request = tuple(dict.fromkeys(chunk_ids))
         self._requests.append(request)
+        # New chunks are numbered in id order, not request order: otherwise the
+        # order a retriever returned one set in would decide its ties for good.
+        for cid in sorted(cid for cid in request if cid not in self._counts):
+            self._counts[cid] = 0
+            self._first_seen[cid] = next(self._sequence)
         for cid in request:
-            if cid not in self._counts:
-                self._counts[cid] = 0
-                self._first_seen[cid] = next(self._sequence)
             self._counts[cid] += 1
         if len(self._requests) > self.window:
             self._forget(self._requests.popleft())

@@ -52,4 +52,5 @@ def order_chunks(
         return tree_guided_order(chunk_ids, table, tree)
     if ordering == "frequency":
         return table.order_by_frequency(chunk_ids)
+    check_ordering(ordering)
     return list(dict.fromkeys(chunk_ids))

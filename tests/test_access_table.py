@@ -91,6 +91,19 @@ def test_frequency_order_descending_with_stable_ties() -> None:
     assert table.order_by_frequency(["z", "x", "w", "y"]) == ["y", "z", "x", "w"]
 
 
+def test_chunks_new_in_one_request_tie_by_id_not_by_request_order() -> None:
+    # Otherwise the order the retriever happened to return a set in would decide its
+    # ties for as long as the chunks stay in the window.
+    one, two = AccessTable(), AccessTable()
+    one.record(["b", "c", "a"])
+    two.record(["c", "a", "b"])
+    assert one.order_by_frequency(["c", "b", "a"]) == ["a", "b", "c"]
+    assert two.order_by_frequency(["c", "b", "a"]) == ["a", "b", "c"]
+    # Chunks already in the table keep their place; only the new ones are numbered by id.
+    one.record(["z", "b", "y"])
+    assert one.order_by_frequency(["a", "b", "c", "y", "z"]) == ["b", "a", "c", "y", "z"]
+
+
 def test_unknown_chunks_go_last_sorted_by_id() -> None:
     table = AccessTable()
     table.record(["m"])
