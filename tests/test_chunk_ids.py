@@ -10,6 +10,9 @@ import sys
 import unicodedata
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from chunkcache.core.chunk_ids import (
     CHUNK_ID_METADATA_KEY,
     chunk_id,
@@ -18,8 +21,6 @@ from chunkcache.core.chunk_ids import (
     validate_chunk_id,
 )
 from chunkcache.core.errors import ChunkCacheError, InvalidChunkError
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # Golden values: if one of these changes, every cache on disk is orphaned.
 GOLDEN = {
