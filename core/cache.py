@@ -53,8 +53,9 @@ class ChunkCache:
         # Each request adds at most a few promoted nodes; 16 per windowed request
         # keeps the tree bounded by the window, as the access table is.
         self.prefix_tree = ChunkPrefixTree(promotion_threshold, max_nodes=16 * window)
-        self.ledger = ledger or ConversationLedger()
-        self.registry = registry or ChunkRegistry()
+        # Not `ledger or ...`: an empty ledger or registry has len 0 and is falsy.
+        self.ledger = ledger if ledger is not None else ConversationLedger()
+        self.registry = registry if registry is not None else ChunkRegistry()
         self._lock = threading.Lock()
         self.num_requests = 0
 
@@ -72,6 +73,8 @@ class ChunkCache:
         conversation does not drop (§4.3) are ordered, and the prefix tree
         promotes or extends the chosen order.
         """
+        if isinstance(chunk_ids, str):
+            raise TypeError("chunk_ids must be a sequence of chunk ids, not one str")
         check_ordering(ordering)
         check_dedupe_mode(dedupe)
         unique = list(dict.fromkeys(chunk_ids))

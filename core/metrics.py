@@ -14,23 +14,35 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 
-def prefix_metric(requests: Sequence[Sequence[str]]) -> float:
-    """CRAFT's Prefix metric: how much of each request is a prefix of an earlier one."""
-    trie: dict[str, dict] = {}
-    shares: list[float] = []
-    for index, request in enumerate(requests):
-        node = trie
+class PrefixTracker:
+    """Longest common chunk-prefix of each new request with any earlier one (a trie)."""
+
+    def __init__(self) -> None:
+        self._trie: dict[str, dict] = {}
+
+    def add(self, request: Sequence[str]) -> int:
+        """Record ``request``; return its LCP length with the best earlier request."""
+        node = self._trie
         matched = 0
         for cid in request:
             if cid not in node:
                 break
             node = node[cid]
             matched += 1
-        if index > 0 and request:
-            shares.append(matched / len(request))
-        node = trie
+        node = self._trie
         for cid in request:
             node = node.setdefault(cid, {})
+        return matched
+
+
+def prefix_metric(requests: Sequence[Sequence[str]]) -> float:
+    """CRAFT's Prefix metric: how much of each request is a prefix of an earlier one."""
+    tracker = PrefixTracker()
+    shares: list[float] = []
+    for index, request in enumerate(requests):
+        matched = tracker.add(request)
+        if index > 0 and request:
+            shares.append(matched / len(request))
     return sum(shares) / len(shares) if shares else 0.0
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkcache.core.cache import ChunkCache
-from chunkcache.core.chunk_ids import chunk_id_for, normalize_text
+from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 
@@ -67,7 +67,9 @@ def plan_retrieval(
     first_index: dict[str, int] = {}
     num_empty = 0
     for index, (text, metadata) in enumerate(documents):
-        if not normalize_text(text).strip():
+        if not isinstance(text, str):
+            raise TypeError(f"document {index} text must be str, got {type(text).__name__}")
+        if not text.strip():
             num_empty += 1
             continue
         cid = chunk_id_for(text, metadata, cache.namespace)

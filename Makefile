@@ -1,0 +1,40 @@
+# Set-up and the two jobs the README names: `make demo` and `make test`.
+# Everything installs into .venv; torch is installed first from its pinned CPU
+# build so no later dependency range can pull a CUDA build.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint unit bench-retriever clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[all,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python cookbook/rag_chat.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy core kernels integrations cookbook tests
+
+# The full suite, slow tests included (what CI runs).
+test: lint
+	$(BIN)/pytest -m "slow or not slow"
+
+# The quick default run: fast tests only.
+unit: install
+	$(BIN)/pytest
+
+bench-retriever: install
+	$(BIN)/python cookbook/retriever_benchmark.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
