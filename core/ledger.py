@@ -88,9 +88,13 @@ class ConversationLedger:
             return len(self._conversations)
 
     def __contains__(self, conversation_id: object) -> bool:
+        try:
+            key = check_conversation_id(conversation_id)
+        except InvalidConversationIdError:
+            return False
         with self._lock:
             self._expire(self._clock())
-            return conversation_id in self._conversations
+            return key in self._conversations
 
     def seen(self, conversation_id: str) -> frozenset[str]:
         """Chunk ids already in ``conversation_id``; empty for an unknown or expired id."""
@@ -117,9 +121,9 @@ class ConversationLedger:
             unique = list(dict.fromkeys(chunk_ids))
             if mode == "drop":
                 kept = [cid for cid in unique if cid not in seen]
+                dropped = [cid for cid in unique if cid in seen]
             else:
-                kept = unique
-            dropped = [cid for cid in unique if cid not in kept]
+                kept, dropped = unique, []
             if mode != "off":
                 self._record(key, kept, now)
             return DedupeResult(kept=kept, dropped=dropped, seen=seen)
