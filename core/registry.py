@@ -52,6 +52,12 @@ class ChunkRegistry:
         if not isinstance(text, str):
             raise TypeError(f"chunk text must be str, got {type(text).__name__}")
         if len(text) > self.max_chars:
+            with self._lock:
+                # An older text under this id is stale now: do not keep serving it.
+                previous = self._texts.pop(chunk_id, None)
+                if previous is not None:
+                    self._num_chars -= len(previous)
+                    self._version += 1
             return False
         with self._lock:
             previous = self._texts.pop(chunk_id, None)
