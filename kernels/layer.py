@@ -1,0 +1,74 @@
+"""One decoder-layer step for a chosen set of token rows over a merged KV sequence.
+
+This is selective recompute (CacheBlend §4.2, Cache-Craft §3.4.3): Q, K and V are computed for
+the chosen rows only, their K/V overwrite the reused entries, and the rows attend over the whole
+merged sequence. With every row chosen it is an ordinary prefill layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from chunkcache.kernels.attention import attention, causal_mask
+from chunkcache.kernels.rope import Rope, apply_rope
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The token rows one forward step computes: their slots (= positions), RoPE and mask."""
+
+    index: Tensor  # [N] slots in the merged KV, strictly increasing
+    cos: Tensor  # [N, D] float32
+    sin: Tensor  # [N, D] float32
+    mask: Tensor | None  # [N, S] bool; None when the rows are all S slots (plain causal)
+
+    @classmethod
+    def build(cls, index: Tensor, num_slots: int, rope: Rope) -> Rows:
+        """Rows at slots ``index`` of a merged sequence of ``num_slots`` tokens."""
+        # index: [N] long
+        if index.numel() == 0 or index[-1] >= num_slots or bool((index[1:] <= index[:-1]).any()):
+            raise ValueError(f"rows must be increasing slots in [0, {num_slots}), got {index}")
+        cos, sin = rope.cos_sin(index)  # cos, sin: [N, D]
+        return cls(index, cos, sin, cls._mask(index, num_slots))
+
+    @staticmethod
+    def _mask(index: Tensor, num_slots: int) -> Tensor | None:
+        if index.numel() == num_slots:  # increasing and in range: every slot, in order
+            return None
+        return causal_mask(index, torch.arange(num_slots, device=index.device))  # [N, S]
+
+    @property
+    def num_slots(self) -> int:
+        return self.index.numel() if self.mask is None else self.mask.shape[1]
+
+    def subset(self, keep: Tensor) -> Rows:
+        """The rows at ``keep`` (increasing indices into these rows), e.g. after a filter step."""
+        # keep: [M] long
+        index = self.index[keep]  # index: [M]
+        mask = self._mask(index, self.num_slots) if self.mask is None else self.mask[keep]
+        return Rows(index, self.cos[keep], self.sin[keep], mask)
+
+
+def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tensor:
+    """Run a Hugging Face Llama/Mistral/Qwen2 decoder ``layer`` for ``rows`` only.
+
+    ``x`` holds the rows' input hidden states. Their keys (rotated) and values are written into
+    ``k`` and ``v`` in place at ``rows.index``; every other slot is reused as it is. Returns the
+    rows' output hidden states (attention and MLP, each with its residual).
+    """
+    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV)
+    attn = layer.self_attn
+    n, head_dim = x.shape[0], attn.head_dim
+    h = layer.input_layernorm(x)  # h: [N, E]
+    q = attn.q_proj(h).view(n, -1, head_dim).transpose(0, 1)  # q: [H, N, D]
+    k_rows = attn.k_proj(h).view(n, -1, head_dim).transpose(0, 1)  # k_rows: [H_kv, N, D]
+    v_rows = attn.v_proj(h).view(n, -1, head_dim).transpose(0, 1)  # v_rows: [H_kv, N, D]
+    q = apply_rope(q, rows.cos, rows.sin)
+    k.index_copy_(1, rows.index, apply_rope(k_rows, rows.cos, rows.sin))
+    v.index_copy_(1, rows.index, v_rows)
+    x = x + attn.o_proj(attention(q, k, v, rows.mask, attn.scaling))  # x: [N, E]
+    return x + layer.mlp(layer.post_attention_layernorm(x))

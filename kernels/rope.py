@@ -1,0 +1,73 @@
+"""Rotary position embedding (RoPE) at arbitrary, scattered positions.
+
+RoPE rotates each pair of channels ``(x[i], x[i + D/2])`` of a query or key by the angle
+``pos * inv_freq[i]`` (Hugging Face's ``rotate_half`` layout). Rotations compose, so keys computed
+at one position move to another by rotating them by the difference, and rotating by ``-pos``
+removes the embedding: CacheBlend §4.3 (footnote 3) and appendix A; Cache-Craft §4 "RPE
+Management".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension."""
+    # x: [..., D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` by the angles whose cosine and sine are given, in ``x``'s dtype."""
+    # x: [..., N, D]; cos, sin: [N, D]
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A model's RoPE: its inverse frequencies and the scale it puts on cos and sin.
+
+    ``attention_scaling`` is 1.0 except for RoPE variants such as YaRN that scale the embedding.
+    """
+
+    inv_freq: Tensor  # [D/2] float32
+    attention_scaling: float = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Unscaled cos and sin of ``positions * inv_freq`` (angles in float64, then float32)."""
+        # positions: [N] integer (may be negative: a rotation backwards)
+        inv_freq = self.inv_freq.to(positions.device, torch.float64)  # inv_freq: [D/2]
+        freqs = positions.to(torch.float64)[:, None] * inv_freq  # freqs: [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # emb: [N, D]
+        return emb.cos().float(), emb.sin().float()  # cos, sin: [N, D]
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The model's cos and sin for tokens at ``positions`` (attention scaling applied)."""
+        cos, sin = self.angles(positions)  # cos, sin: [N, D]
+        return cos * self.attention_scaling, sin * self.attention_scaling
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Embed raw queries or keys ``x`` at ``positions``, as the model does."""
+        # x: [H, N, D]; positions: [N]
+        return apply_rope(x, *self.cos_sin(positions))
+
+    def shift(self, k: Tensor, delta: Tensor | int) -> Tensor:
+        """Move rotated keys by ``delta`` positions (a pure rotation, computed in float32)."""
+        # k: [H, N, D]; delta: [N] or a scalar
+        delta = torch.as_tensor(delta, device=k.device).expand(k.shape[-2])  # delta: [N]
+        cos, sin = self.angles(delta)  # cos, sin: [N, D]
+        return apply_rope(k.float(), cos, sin).to(k.dtype)
+
+    def unrotate(self, k: Tensor, positions: Tensor) -> Tensor:
+        """Raw keys from keys rotated at ``positions``: the inverse of :meth:`rotate`."""
+        # k: [H, N, D]; positions: [N]
+        return (self.shift(k.float(), -positions) / self.attention_scaling).to(k.dtype)
