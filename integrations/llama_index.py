@@ -1,0 +1,223 @@
+"""LlamaIndex drop-ins: :class:`ChunkCacheRetriever` and :class:`ChunkCachePostprocessor`.
+
+Both give every node a stable ``chunk_id`` and return the nodes in an order that
+lines shared chunks up as prompt prefixes, minus (or marked with) the chunks this
+conversation already has.  The chat engine that lays a conversation out for
+reuse is :class:`chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine`.
+
+>>> from chunkcache.integrations.llama_index import ChunkCacheRetriever
+>>> retriever = ChunkCacheRetriever(index.as_retriever(similarity_top_k=5))  # doctest: +SKIP
+>>> nodes = retriever.for_conversation("user-42").retrieve("How do I parse JSON?")  # doctest: +SKIP
+>>> nodes[0].node.metadata["chunk_id"]  # doctest: +SKIP
+'3f0c...'
+
+Each returned node is a copy; its metadata gains ``chunk_id``, ``retriever_rank``
+(rank among the distinct chunks the base retriever returned) and, with
+``dedupe="mark"``, ``seen_in_conversation``.  These keys are added to the node's
+``excluded_llm_metadata_keys`` and ``excluded_embed_metadata_keys``: they change
+from request to request, and text that changes next to a chunk costs its reuse.
+The node keeps its own ``id_`` (LlamaIndex always assigns one, and docstores and
+relationships refer to it); the chunk id lives in the metadata only.
+
+When is ``dedupe="drop"`` safe?  Dropping a chunk the conversation has already
+seen (CRAFT §4.3) loses nothing only while that chunk is still in the prompt,
+i.e. while every earlier turn's chunks stay in the chat history.  That holds for
+``ChunkCacheChatEngine``, which keeps each turn's chunks in that turn's user
+message and re-syncs the ledger whenever it trims or replaces its history.  It
+does not hold for engines that put the context in a per-turn system message
+(``ContextChatEngine``) or that trim memory on their own: use ``"mark"`` (the
+default) there, or call ``cache.ledger.forget(conversation_id)`` whenever the
+history loses chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from chunkcache.core.cache import ChunkCache, default_cache
+from chunkcache.core.ledger import DedupeMode, check_conversation_id, check_dedupe_mode
+from chunkcache.core.ordering import Ordering, check_ordering
+from chunkcache.core.retrieval import plan_retrieval
+
+__all__ = ["ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
+
+
+def plan_nodes(
+    nodes: Sequence[NodeWithScore],
+    cache: ChunkCache,
+    *,
+    conversation_id: str | None,
+    ordering: Ordering,
+    dedupe: DedupeMode,
+) -> list[NodeWithScore]:
+    """Copies of ``nodes`` (in retriever rank order) as :func:`plan_retrieval` arranges them.
+
+    Ids are computed on the node's bare content (``MetadataMode.NONE``), the text
+    the LLM side looks for in prompts.  Nodes sharing a chunk id collapse to the
+    best-ranked one; empty nodes are left out; scores are kept.
+    """
+    plan = plan_retrieval(
+        [(n.node.get_content(metadata_mode=MetadataMode.NONE), n.node.metadata) for n in nodes],
+        cache,
+        conversation_id=conversation_id,
+        ordering=ordering,
+        dedupe=dedupe,
+    )
+    planned = []
+    for chunk in plan.chunks:
+        source = nodes[chunk.source_index]
+        added: dict[str, Any] = {
+            "chunk_id": chunk.chunk_id,
+            "retriever_rank": chunk.retriever_rank,
+        }
+        if dedupe == "mark":
+            added["seen_in_conversation"] = chunk.seen_in_conversation
+        node = source.node.model_copy(
+            update={
+                "metadata": {**source.node.metadata, **added},
+                "excluded_llm_metadata_keys": _union(source.node.excluded_llm_metadata_keys, added),
+                "excluded_embed_metadata_keys": _union(
+                    source.node.excluded_embed_metadata_keys, added
+                ),
+            }
+        )
+        planned.append(NodeWithScore(node=node, score=source.score))
+    return planned
+
+
+def _union(keys: list[str], added: dict[str, Any]) -> list[str]:
+    return list(dict.fromkeys([*keys, *added]))
+
+
+class ChunkCacheRetriever(BaseRetriever):
+    """Wraps a LlamaIndex retriever: stable chunk ids, cache-friendly order, dedupe.
+
+    Args:
+        base_retriever: the retriever whose nodes are returned.
+        cache: shared chunk state; the process-wide default when omitted, so an
+            LLM wrapper created without ``cache=`` sees the same chunks.
+        ordering: ``"tree"`` (default), ``"frequency"`` (CRAFT §4.2) or ``"retriever"``.
+        dedupe: ``"mark"`` (default), ``"drop"`` (see the module docs for when
+            it is safe) or ``"off"``.
+        conversation_id: the conversation to dedupe against; LlamaIndex passes
+            no session to retrievers, so bind one here or with
+            :meth:`for_conversation`.  Without one nothing is deduped.
+
+    >>> retriever = ChunkCacheRetriever(base, ordering="frequency")  # doctest: +SKIP
+    >>> retriever.for_conversation("user-42").retrieve("What is json.dumps?")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        base_retriever: BaseRetriever,
+        *,
+        cache: ChunkCache | None = None,
+        ordering: Ordering = "tree",
+        dedupe: DedupeMode = "mark",
+        conversation_id: str | None = None,
+        callback_manager: CallbackManager | None = None,
+    ) -> None:
+        super().__init__(callback_manager=callback_manager)
+        self._base_retriever = base_retriever
+        self._cache = cache if cache is not None else default_cache()
+        self._ordering = check_ordering(ordering)
+        self._dedupe = check_dedupe_mode(dedupe)
+        self._conversation_id = _optional_conversation_id(conversation_id)
+
+    @property
+    def base_retriever(self) -> BaseRetriever:
+        return self._base_retriever
+
+    @property
+    def cache(self) -> ChunkCache:
+        return self._cache
+
+    @property
+    def ordering(self) -> Ordering:
+        return self._ordering
+
+    @property
+    def dedupe(self) -> DedupeMode:
+        return self._dedupe
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self._conversation_id
+
+    def for_conversation(self, conversation_id: str) -> ChunkCacheRetriever:
+        """A copy bound to ``conversation_id``, sharing this retriever's base and cache."""
+        bound = copy.copy(self)
+        bound._conversation_id = check_conversation_id(conversation_id)
+        return bound
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return self._plan(self._base_retriever.retrieve(query_bundle))
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return self._plan(await self._base_retriever.aretrieve(query_bundle))
+
+    def _plan(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+        return plan_nodes(
+            nodes,
+            self._cache,
+            conversation_id=self._conversation_id,
+            ordering=self._ordering,
+            dedupe=self._dedupe,
+        )
+
+
+class ChunkCachePostprocessor(BaseNodePostprocessor):
+    """The retriever's arrangement for nodes from any retriever or query engine.
+
+    >>> engine = index.as_query_engine(  # doctest: +SKIP
+    ...     node_postprocessors=[ChunkCachePostprocessor(conversation_id="user-42")]
+    ... )
+
+    Place it last, so the nodes it orders are the ones the prompt gets.
+    """
+
+    cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
+    ordering: Ordering = "tree"
+    dedupe: DedupeMode = "mark"
+    conversation_id: str | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _default_cache(cls, value: ChunkCache | None) -> ChunkCache:
+        return default_cache() if value is None else value
+
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _check_conversation_id(cls, value: object) -> str | None:
+        return _optional_conversation_id(value)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ChunkCachePostprocessor"
+
+    def for_conversation(self, conversation_id: str) -> ChunkCachePostprocessor:
+        """A copy bound to ``conversation_id``, sharing this postprocessor's cache."""
+        return self.model_copy(update={"conversation_id": check_conversation_id(conversation_id)})
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        return plan_nodes(
+            nodes,
+            self.cache,
+            conversation_id=self.conversation_id,
+            ordering=self.ordering,
+            dedupe=self.dedupe,
+        )
+
+
+def _optional_conversation_id(value: object) -> str | None:
+    return None if value is None else check_conversation_id(value)

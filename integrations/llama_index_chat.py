@@ -1,0 +1,287 @@
+"""CRAFT §4.3's multi-turn layout as a LlamaIndex chat engine.
+
+``ContextChatEngine`` rewrites the system message with new context every turn,
+so nothing after the first token is reusable from one turn to the next.
+:class:`ChunkCacheChatEngine` keeps the system prompt first and fixed and puts
+each turn's *new* chunks into that turn's user message::
+
+    system | user(chunks_1 + q_1) | assistant(a_1) | user(chunks_2 + q_2) | ...
+
+so the prompt of turn t+1 is exactly the prompt of turn t, plus its answer, plus
+one new user message: a prefix cache (ours or vLLM's) reuses all of it.
+
+Because every chunk the conversation has seen is still in the prompt, the
+engine's retriever drops repeats (``dedupe="drop"``) by default.  Whenever the
+history loses chunks (``max_history_turns`` trims it, ``chat_history=`` replaces
+it, a turn fails or its stream is abandoned) the engine re-syncs the
+conversation ledger to the chunks still in the history, so a chunk that left
+the prompt is sent again the next time it is retrieved.  (CRAFT argues the
+answers already carry what trimmed chunks said; re-sending is the cautious
+choice.)
+
+>>> engine = ChunkCacheChatEngine.from_defaults(  # doctest: +SKIP
+...     index.as_retriever(similarity_top_k=4), llm, system_prompt="Answer from the context."
+... )
+>>> print(engine.chat("What does json.dumps return?"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    MessageRole,
+)
+from llama_index.core.chat_engine.types import (
+    AgentChatResponse,
+    BaseChatEngine,
+    StreamingAgentChatResponse,
+)
+from llama_index.core.llms.llm import LLM
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import MetadataMode, NodeWithScore
+from llama_index.core.settings import Settings
+
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.ledger import DedupeMode
+from chunkcache.core.ordering import Ordering
+from chunkcache.integrations.llama_index import ChunkCacheRetriever
+
+__all__ = ["DEFAULT_CONTEXT_TEMPLATE", "DEFAULT_SYSTEM_PROMPT", "ChunkCacheChatEngine"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer using the context given in the conversation."
+)
+DEFAULT_CONTEXT_TEMPLATE = "Context:\n{context_str}\n\nQuestion: {query_str}"
+CHUNK_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """Messages of one turn (or of a history given by the caller) and the chunks they hold."""
+
+    messages: tuple[ChatMessage, ...]
+    chunk_ids: tuple[str, ...]
+
+
+class ChunkCacheChatEngine(BaseChatEngine):
+    """A chat engine whose every prompt extends the previous one.
+
+    Args:
+        retriever: a :class:`ChunkCacheRetriever` bound to a conversation id
+            (:meth:`from_defaults` builds one).
+        llm: the chat model.
+        system_prompt: the first message of every prompt, never changed.
+        context_template: the user message of a turn with new chunks; it gets
+            ``{context_str}`` (the chunks, each rendered with its LLM metadata,
+            the chunk text verbatim) and ``{query_str}``.  A turn without new
+            chunks sends the question alone.
+        max_history_turns: earlier turns a prompt may carry (None: no limit;
+            the caller then keeps the conversation within the context window).
+            When exceeded, the oldest turns go in one step, keeping the newest
+            ``(max_history_turns + 1) // 2``, so the cached prefix breaks once
+            every few turns rather than every turn.
+
+    One turn at a time: consume a stream before starting the next turn.
+    """
+
+    def __init__(
+        self,
+        retriever: ChunkCacheRetriever,
+        llm: LLM,
+        *,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        context_template: str = DEFAULT_CONTEXT_TEMPLATE,
+        max_history_turns: int | None = None,
+    ) -> None:
+        if retriever.conversation_id is None:
+            raise ValueError("bind the retriever to a conversation: retriever.for_conversation(id)")
+        if max_history_turns is not None and max_history_turns < 1:
+            raise ValueError(f"max_history_turns must be >= 1, got {max_history_turns}")
+        try:
+            context_template.format(context_str="", query_str="")
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(
+                "context_template may use only {context_str} and {query_str}"
+            ) from error
+        self._retriever = retriever
+        self._conversation_id: str = retriever.conversation_id
+        self._llm = llm
+        self._system_message = ChatMessage(role=llm.metadata.system_role, content=system_prompt)
+        self._context_template = context_template
+        self._max_history_turns = max_history_turns
+        self._turns: list[_Turn] = []
+        # Bumped by every turn start and reset; a turn commits only if it is still current.
+        self._turn_serial = 0
+        self._ledger_in_sync = True
+
+    @classmethod
+    def from_defaults(
+        cls,
+        retriever: BaseRetriever,
+        llm: LLM | None = None,
+        *,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        conversation_id: str | None = None,
+        cache: ChunkCache | None = None,
+        ordering: Ordering = "tree",
+        dedupe: DedupeMode = "drop",
+        context_template: str = DEFAULT_CONTEXT_TEMPLATE,
+        max_history_turns: int | None = None,
+    ) -> ChunkCacheChatEngine:
+        """Wrap ``retriever`` for a new conversation (a random id unless given)."""
+        if isinstance(retriever, ChunkCacheRetriever):
+            raise TypeError(
+                "from_defaults wraps a base retriever; for a ChunkCacheRetriever use "
+                "ChunkCacheChatEngine(retriever.for_conversation(id), llm)"
+            )
+        wrapped = ChunkCacheRetriever(
+            retriever,
+            cache=cache,
+            ordering=ordering,
+            dedupe=dedupe,
+            conversation_id=conversation_id or uuid.uuid4().hex,
+        )
+        return cls(
+            wrapped,
+            llm or Settings.llm,
+            system_prompt=system_prompt,
+            context_template=context_template,
+            max_history_turns=max_history_turns,
+        )
+
+    @property
+    def conversation_id(self) -> str:
+        return self._conversation_id
+
+    @property
+    def chat_history(self) -> list[ChatMessage]:
+        """User and assistant messages as the LLM saw them (user messages hold the chunks)."""
+        return [message for turn in self._turns for message in turn.messages]
+
+    def reset(self) -> None:
+        """Forget the history and the conversation's chunks in the ledger."""
+        self._turns.clear()
+        self._retriever.cache.ledger.forget(self._conversation_id)
+        self._ledger_in_sync = True
+        self._turn_serial += 1
+
+    def chat(
+        self, message: str, chat_history: list[ChatMessage] | None = None
+    ) -> AgentChatResponse:
+        turn = self._begin(chat_history)
+        nodes = self._retriever.retrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        answer = self._llm.chat(prompt).message
+        self._commit(turn, user, answer, nodes)
+        return _response(answer, nodes)
+
+    async def achat(
+        self, message: str, chat_history: list[ChatMessage] | None = None
+    ) -> AgentChatResponse:
+        turn = self._begin(chat_history)
+        nodes = await self._retriever.aretrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        answer = (await self._llm.achat(prompt)).message
+        self._commit(turn, user, answer, nodes)
+        return _response(answer, nodes)
+
+    def stream_chat(
+        self, message: str, chat_history: list[ChatMessage] | None = None
+    ) -> StreamingAgentChatResponse:
+        turn = self._begin(chat_history)
+        nodes = self._retriever.retrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        stream = self._llm.stream_chat(prompt)
+
+        def commit_at_end() -> ChatResponseGen:
+            answer = ""
+            for response in stream:
+                answer += response.delta or ""
+                yield response
+            self._commit(turn, user, _assistant(answer), nodes)
+
+        return StreamingAgentChatResponse(
+            chat_stream=commit_at_end(), source_nodes=nodes, is_writing_to_memory=False
+        )
+
+    async def astream_chat(
+        self, message: str, chat_history: list[ChatMessage] | None = None
+    ) -> StreamingAgentChatResponse:
+        turn = self._begin(chat_history)
+        nodes = await self._retriever.aretrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        stream = await self._llm.astream_chat(prompt)
+
+        async def commit_at_end() -> ChatResponseAsyncGen:
+            answer = ""
+            async for response in stream:
+                answer += response.delta or ""
+                yield response
+            self._commit(turn, user, _assistant(answer), nodes)
+
+        return StreamingAgentChatResponse(
+            achat_stream=commit_at_end(), source_nodes=nodes, is_writing_to_memory=False
+        )
+
+    def _begin(self, chat_history: list[ChatMessage] | None) -> int:
+        """Start a turn: adopt a caller's history, make the ledger match the history."""
+        if chat_history is not None:
+            self._turns = [_Turn(tuple(chat_history), ())] if chat_history else []
+            self._ledger_in_sync = False
+        if not self._ledger_in_sync:
+            self._sync_ledger()
+        # Until this turn commits, the ledger holds chunks the history does not.
+        self._ledger_in_sync = False
+        self._turn_serial += 1
+        return self._turn_serial
+
+    def _prompt(
+        self, message: str, nodes: list[NodeWithScore]
+    ) -> tuple[ChatMessage, list[ChatMessage]]:
+        """This turn's user message, and the whole prompt ending with it."""
+        if nodes:
+            context = CHUNK_SEPARATOR.join(
+                n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes
+            )
+            text = self._context_template.format(context_str=context, query_str=message)
+        else:
+            text = message
+        user = ChatMessage(role=MessageRole.USER, content=text)
+        return user, [self._system_message, *self.chat_history, user]
+
+    def _commit(
+        self, turn: int, user: ChatMessage, answer: ChatMessage, nodes: list[NodeWithScore]
+    ) -> None:
+        """Append a finished turn (unless a reset or a later turn came first), then trim."""
+        if turn != self._turn_serial:
+            return
+        chunk_ids = tuple(n.node.metadata["chunk_id"] for n in nodes)
+        self._turns.append(_Turn((user, answer), chunk_ids))
+        self._trim()
+        self._ledger_in_sync = True
+
+    def _trim(self) -> None:
+        limit = self._max_history_turns
+        if limit is None or len(self._turns) <= limit:
+            return
+        del self._turns[: len(self._turns) - (limit + 1) // 2]
+        self._sync_ledger()
+
+    def _sync_ledger(self) -> None:
+        """Make the conversation's ledger entry exactly the chunks still in the history."""
+        ledger = self._retriever.cache.ledger
+        ledger.forget(self._conversation_id)
+        ledger.record(self._conversation_id, [c for turn in self._turns for c in turn.chunk_ids])
+
+
+def _assistant(text: str) -> ChatMessage:
+    return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+
+
+def _response(answer: ChatMessage, nodes: list[NodeWithScore]) -> AgentChatResponse:
+    return AgentChatResponse(response=answer.content or "", source_nodes=nodes)
