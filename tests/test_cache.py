@@ -27,10 +27,7 @@ def test_first_request_keeps_the_set_and_matches_nothing() -> None:
 @pytest.mark.parametrize("ordering", ["tree", "frequency", "retriever"])
 def test_prefix_length_grows_when_the_same_set_repeats(ordering: str) -> None:
     cache = ChunkCache()  # promotion threshold 2
-    lengths = [
-        cache.arrange(["x", "y", "z"], ordering=ordering).prefix_length  # type: ignore[arg-type]
-        for _ in range(4)
-    ]
+    lengths = [cache.arrange(["x", "y", "z"], ordering=ordering).prefix_length for _ in range(4)]
     # Request 2 brings every count to 2 and promotes the order; request 3 reuses it.
     assert lengths == [0, 0, 3, 3]
 
@@ -101,13 +98,13 @@ def test_off_ignores_the_ledger() -> None:
 def test_bad_arguments() -> None:
     cache = ChunkCache()
     with pytest.raises(ValueError, match="dedupe"):
-        cache.arrange(["a"], dedupe="remove")  # type: ignore[arg-type]
+        cache.arrange(["a"], dedupe="remove")
     with pytest.raises(ValueError, match="ordering"):
-        cache.arrange(["a"], ordering="random")  # type: ignore[arg-type]
+        cache.arrange(["a"], ordering="random")
     with pytest.raises(InvalidConversationIdError):
         cache.arrange(["a"], conversation_id="")
     with pytest.raises(InvalidConversationIdError):
-        cache.arrange(["a"], conversation_id=["conv"])  # type: ignore[arg-type]
+        cache.arrange(["a"], conversation_id=["conv"])
     with pytest.raises(TypeError):
         cache.arrange("abc")  # one str is not a list of ids
     assert cache.num_requests == 0

@@ -35,7 +35,7 @@ def test_modes() -> None:
     with pytest.raises(ValueError):
         check_dedupe_mode("dedupe")
     with pytest.raises(ValueError):
-        ConversationLedger().apply("c", ["a"], "Drop")  # type: ignore[arg-type]
+        ConversationLedger().apply("c", ["a"], "Drop")
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_modes() -> None:
 )
 def test_bounds_must_be_positive(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        ConversationLedger(**kwargs)  # type: ignore[arg-type]
+        ConversationLedger(**kwargs)
 
 
 def test_drop_leaves_out_chunks_of_earlier_turns() -> None:
@@ -100,7 +100,7 @@ def test_off_keeps_everything_and_records_nothing() -> None:
 
 @pytest.mark.parametrize("mode", DEDUPE_MODES)
 def test_duplicates_within_one_turn_collapse_in_order(mode: str) -> None:
-    result = ConversationLedger().apply("conv", ["b", "a", "b", "a", "c"], mode)  # type: ignore[arg-type]
+    result = ConversationLedger().apply("conv", ["b", "a", "b", "a", "c"], mode)
     assert result.kept == ["b", "a", "c"]
     assert result.dropped == []
 
@@ -127,7 +127,7 @@ def test_record_and_forget() -> None:
 
 def test_int_ids_are_the_same_conversation_as_their_str() -> None:
     ledger = ConversationLedger()
-    ledger.apply(42, ["a"], "mark")  # type: ignore[arg-type]
+    ledger.apply(42, ["a"], "mark")
     assert ledger.seen("42") == {"a"}
     assert 42 in ledger
     assert "42" in ledger
@@ -142,15 +142,15 @@ def test_invalid_conversation_ids_raise(bad: object) -> None:
     with pytest.raises(InvalidConversationIdError):
         check_conversation_id(bad)
     with pytest.raises(InvalidConversationIdError):
-        ledger.apply(bad, ["a"], "drop")  # type: ignore[arg-type]
+        ledger.apply(bad, ["a"], "drop")
     with pytest.raises(InvalidConversationIdError):
-        ledger.seen(bad)  # type: ignore[arg-type]
+        ledger.seen(bad)
     with pytest.raises(InvalidConversationIdError):
-        ledger.record(bad, ["a"])  # type: ignore[arg-type]
+        ledger.record(bad, ["a"])
     with pytest.raises(InvalidConversationIdError):
-        ledger.forget(bad)  # type: ignore[arg-type]
+        ledger.forget(bad)
     with pytest.raises(ValueError):  # also a ValueError for callers that catch those
-        ledger.apply(bad, ["a"], "mark")  # type: ignore[arg-type]
+        ledger.apply(bad, ["a"], "mark")
     assert (bad in ledger) is False
     assert len(ledger) == 0
 
@@ -307,7 +307,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._expire()
         before, _ = self.model.get(conversation, ([], 0.0))
         unique = list(dict.fromkeys(ids))
-        result = self.ledger.apply(conversation, ids, mode)  # type: ignore[arg-type]
+        result = self.ledger.apply(conversation, ids, mode)
         assert result.seen == set(before)
         expected_kept = [c for c in unique if c not in before] if mode == "drop" else unique
         assert result.kept == expected_kept

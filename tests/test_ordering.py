@@ -34,9 +34,9 @@ def test_unknown_ordering_raises_value_error(name: str) -> None:
     with pytest.raises(ValueError, match="unknown ordering"):
         check_ordering(name)
     with pytest.raises(ValueError, match="unknown ordering"):
-        order_chunks(["a", "b"], name, AccessTable(), ChunkPrefixTree())  # type: ignore[arg-type]
+        order_chunks(["a", "b"], name, AccessTable(), ChunkPrefixTree())
     with pytest.raises(ValueError, match="unknown ordering"):
-        ChunkCache().arrange(["a", "b"], ordering=name)  # type: ignore[arg-type]
+        ChunkCache().arrange(["a", "b"], ordering=name)
 
 
 def test_crafts_frequency_example() -> None:
@@ -133,13 +133,13 @@ def test_every_ordering_is_a_permutation_of_the_distinct_input(
     for past in history:
         cache.arrange(past, ordering=rng.choice(ORDERINGS))
     table, tree = cache.access_table, cache.prefix_tree
-    order = order_chunks(ids, name, table, tree)  # type: ignore[arg-type]
+    order = order_chunks(ids, name, table, tree)
     assert len(order) == len(set(order))
     assert sorted(order) == sorted(set(ids))
     if name != "retriever":
         shuffled = list(ids)
         rng.shuffle(shuffled)
-        assert order_chunks(shuffled, name, table, tree) == order  # type: ignore[arg-type]
+        assert order_chunks(shuffled, name, table, tree) == order
 
 
 @given(
@@ -155,13 +155,13 @@ def test_equal_sets_at_equal_state_get_equal_orders(
     # Two caches fed the same history hold the same state.
     one, two = ChunkCache(window=10), ChunkCache(window=10)
     for past, past_ordering in history:
-        a = one.arrange(past, ordering=past_ordering)  # type: ignore[arg-type]
-        b = two.arrange(past, ordering=past_ordering)  # type: ignore[arg-type]
+        a = one.arrange(past, ordering=past_ordering)
+        b = two.arrange(past, ordering=past_ordering)
         assert a == b
     shuffled = list(ids)
     rng.shuffle(shuffled)
-    first = one.arrange(ids, ordering=name)  # type: ignore[arg-type]
-    second = two.arrange(shuffled, ordering=name)  # type: ignore[arg-type]
+    first = one.arrange(ids, ordering=name)
+    second = two.arrange(shuffled, ordering=name)
     assert first.order == second.order
     assert first.prefix_length == second.prefix_length
     assert sorted(first.order) == sorted(ids)

@@ -35,8 +35,8 @@ def plan(
         documents,
         cache,
         conversation_id=conversation_id,
-        ordering=ordering,  # type: ignore[arg-type]
-        dedupe=dedupe,  # type: ignore[arg-type]
+        ordering=ordering,
+        dedupe=dedupe,
     )
 
 
