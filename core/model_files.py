@@ -74,8 +74,17 @@ def pull_default_model() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
+    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    # A model loaded from GGUF stays marked as quantized and refuses save_pretrained: move its
+    # float32 tensors into a plain model built on the meta device.
+    config = dequantized.config.to_dict()
+    config.pop("quantization_config", None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(type(dequantized.config).from_dict(config))
+    model.load_state_dict(dequantized.state_dict(), assign=True)
+    model.tie_weights()
+    model.generation_config = dequantized.generation_config
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     model.save_pretrained(partial)  # also writes generation_config.json
     tokenizer.save_pretrained(partial)
