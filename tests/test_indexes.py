@@ -1,0 +1,226 @@
+"""MiniLM embeddings and the Chroma / FAISS indexes of the bundled corpus.
+
+The indexes are built once under the user cache (about a minute on 2 cores the
+first time) and reused by every later run.
+"""
+
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.retrievers import BaseRetriever
+from langchain_tests.integration_tests import (
+    EmbeddingsIntegrationTests,
+    RetrieversIntegrationTests,
+)
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.retrievers import BaseRetriever as LlamaIndexRetriever
+from llama_index.core.schema import NodeWithScore, TextNode
+
+from chunkcache.core.chunk_ids import chunk_id
+from chunkcache.core.corpus import load_corpus
+from chunkcache.integrations import indexes
+from chunkcache.integrations.embeddings import (
+    EMBEDDING_DIM,
+    MiniLMEmbedding,
+    MiniLMEmbeddings,
+    embed_texts,
+)
+from chunkcache.integrations.indexes import (
+    corpus_chroma_collection,
+    corpus_faiss_index,
+    langchain_corpus_retriever,
+    llama_index_corpus_retriever,
+    search_corpus,
+)
+
+JSON_QUERY = "serialize an object to JSON"
+STORES = ["chroma", "faiss"]
+
+
+@pytest.fixture(scope="module")
+def corpus_by_text():
+    return {chunk.text: chunk for chunk in load_corpus()}
+
+
+def test_embed_texts_gives_unit_float32_rows():
+    vectors = embed_texts(["parse a date", "open a TCP socket", "parse a date"])
+    assert vectors.shape == (3, EMBEDDING_DIM) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(vectors[0], vectors[2], atol=1e-6)
+    assert embed_texts([]).shape == (0, EMBEDDING_DIM)
+
+
+def test_embed_texts_is_thread_safe():
+    texts = [f"how do I use module number {i}?" for i in range(8)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        rows = list(pool.map(lambda text: embed_texts([text])[0], texts))
+    np.testing.assert_allclose(np.stack(rows), embed_texts(texts), atol=1e-5)
+
+
+def test_importing_the_modules_imports_no_framework():
+    code = (
+        "import sys, chunkcache.integrations.indexes\n"
+        "loaded = [m for m in ('langchain_core', 'llama_index', 'chromadb', 'faiss', 'torch')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_llama_index_embedding_matches_embed_texts():
+    model = MiniLMEmbedding()
+    assert isinstance(model, BaseEmbedding)
+    query = model.get_query_embedding(JSON_QUERY)
+    batch = model.get_text_embedding_batch([JSON_QUERY, "x"])
+    np.testing.assert_allclose(query, embed_texts([JSON_QUERY])[0], atol=1e-6)
+    np.testing.assert_allclose(batch[0], query, atol=1e-6)
+
+
+async def test_llama_index_embedding_async():
+    vector = await MiniLMEmbedding().aget_query_embedding(JSON_QUERY)
+    assert len(vector) == EMBEDDING_DIM
+
+
+class TestMiniLMEmbeddings(EmbeddingsIntegrationTests):
+    @property
+    def embeddings_class(self) -> type[Embeddings]:
+        return MiniLMEmbeddings
+
+
+@pytest.mark.filterwarnings("ignore:legacy embedding function config:DeprecationWarning")
+def test_indexes_hold_the_whole_corpus():
+    corpus = load_corpus()
+    collection = corpus_chroma_collection()
+    assert collection.count() == len(corpus)
+    assert collection.configuration["hnsw"]["space"] == "cosine"
+    assert collection.get(ids=[corpus[0].chunk_id])["documents"] == [corpus[0].text]
+    index = corpus_faiss_index()
+    assert index.ntotal == len(corpus) and index.d == EMBEDDING_DIM
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_search_finds_json_and_scores_cosine(store):
+    hits = search_corpus(JSON_QUERY, store, k=5)
+    assert len(hits) == 5
+    assert any(chunk.topic == "json" for chunk, _ in hits)
+    scores = [score for _, score in hits]
+    assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1.0001
+
+
+def test_chroma_and_faiss_agree():
+    def titles(store):
+        return [chunk.title for chunk, _ in search_corpus(JSON_QUERY, store, k=3)]
+
+    assert titles("chroma") == titles("faiss")
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_langchain_retriever_returns_corpus_documents(store, corpus_by_text):
+    retriever = langchain_corpus_retriever(store, k=5)
+    assert isinstance(retriever, BaseRetriever)
+    documents = retriever.invoke(JSON_QUERY)
+    assert len(documents) == 5
+    assert any(doc.metadata["topic"] == "json" for doc in documents)
+    for doc in documents:
+        chunk = corpus_by_text[doc.page_content]
+        assert doc.metadata == {"topic": chunk.topic, "title": chunk.title, "source": chunk.source}
+        assert doc.id == chunk_id(doc.page_content)
+    assert len(retriever.invoke(JSON_QUERY, k=2)) == 2
+
+
+@pytest.mark.parametrize("store", STORES)
+async def test_langchain_retriever_async(store):
+    retriever = langchain_corpus_retriever(store, k=3)
+    documents = await retriever.ainvoke(JSON_QUERY)
+    assert [doc.page_content for doc in documents] == [
+        doc.page_content for doc in retriever.invoke(JSON_QUERY)
+    ]
+    assert len(await retriever.ainvoke(JSON_QUERY, k=1)) == 1
+
+
+@pytest.mark.parametrize("store", STORES)
+async def test_llama_index_retriever_returns_text_nodes(store, corpus_by_text):
+    retriever = llama_index_corpus_retriever(store, similarity_top_k=4)
+    assert isinstance(retriever, LlamaIndexRetriever)
+    results = retriever.retrieve(JSON_QUERY)
+    assert len(results) == 4
+    assert any(result.node.metadata["topic"] == "json" for result in results)
+    for result in results:
+        assert isinstance(result, NodeWithScore) and isinstance(result.node, TextNode)
+        chunk = corpus_by_text[result.node.text]
+        assert result.node.id_ == chunk.chunk_id
+        assert result.node.metadata == {
+            "topic": chunk.topic,
+            "title": chunk.title,
+            "source": chunk.source,
+        }
+    async_results = await retriever.aretrieve(JSON_QUERY)
+    assert [r.node.id_ for r in async_results] == [r.node.id_ for r in results]
+
+
+class TestChromaCorpusRetriever(RetrieversIntegrationTests):
+    @property
+    def retriever_constructor(self) -> Callable[..., BaseRetriever]:
+        return langchain_corpus_retriever
+
+    @property
+    def retriever_constructor_params(self) -> dict:
+        return {"store": "chroma"}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return JSON_QUERY
+
+
+class TestFaissCorpusRetriever(TestChromaCorpusRetriever):
+    @property
+    def retriever_constructor_params(self) -> dict:
+        return {"store": "faiss"}
+
+
+def test_index_files_are_reused_and_a_corrupt_one_rebuilt(tmp_path, monkeypatch):
+    chunks = load_corpus(max_chunks=12)
+    calls = []
+
+    def fake_embed(texts):
+        calls.append(len(texts))
+        rng = np.random.default_rng(len(texts))
+        vectors = rng.standard_normal((len(texts), EMBEDDING_DIM)).astype(np.float32)
+        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+    monkeypatch.setattr(indexes, "embed_texts", fake_embed)
+    first = indexes._CorpusIndexes(chunks, tmp_path)
+    first.faiss_index()
+    assert first.chroma()[1].count() == len(chunks)
+    assert calls == [len(chunks)]
+
+    (first.directory / "faiss.index").write_bytes(b"truncated")
+    again = indexes._CorpusIndexes(chunks, tmp_path)
+    assert again.faiss_index().ntotal == len(chunks)
+    assert again.chroma()[1].count() == len(chunks)
+    np.testing.assert_array_equal(again.embeddings(), first.embeddings())
+    assert calls == [len(chunks)]  # embeddings were read back, not recomputed
+
+    changed = indexes._CorpusIndexes(chunks[:-1], tmp_path)
+    assert changed.directory != first.directory
+    assert changed.faiss_index().ntotal == len(chunks) - 1
+    assert calls == [len(chunks), len(chunks) - 1]
+
+
+def test_unknown_store_is_refused():
+    with pytest.raises(ValueError, match="store"):
+        search_corpus(JSON_QUERY, "pinecone")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k must be positive"):
+        search_corpus(JSON_QUERY, "faiss", k=0)
+
+
+def test_documents_are_plain_langchain_documents():
+    (doc,) = langchain_corpus_retriever("faiss", k=1).invoke("read a CSV file")
+    assert type(doc) is Document
+    assert "chunk_id" not in doc.metadata
