@@ -52,9 +52,10 @@ def prefill(lm: LoadedModel, ids: Tensor, kv: SeqKV | None = None) -> tuple[Tens
     positions ``kv.length ...`` and returns the float32 logits of the last token and the KV.
     """
     # ids: [N] long
+    ids = ids.to(lm.device)
     kv = kv if kv is not None else lm.new_kv(ids.numel())
     start = kv.length
     kv.extend(ids.numel())
-    rows = Rows.build(torch.arange(start, kv.length, device=ids.device), kv.length, lm.rope)
+    rows = Rows.build(torch.arange(start, kv.length, device=lm.device), kv.length, lm.rope)
     x = run_layers(lm, embed(lm, ids), rows, kv)  # x: [N, E]
     return last_logits(lm, x[-1]), kv  # [V], kv with S = start + N

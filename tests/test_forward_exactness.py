@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import KINDS, tiny_lm, token_ids
+from tiny_models import KINDS, tiny_hf_model, tiny_lm, token_ids
 
 from chunkcache.core.model_forward import embed, last_logits, prefill, run_layers
 from chunkcache.core.models import LoadedModel
@@ -110,9 +110,24 @@ def test_chunk_keys_moved_to_a_new_position_equal_keys_computed_there(lm: Loaded
     torch.testing.assert_close(moved, inside.keys()[0, :, b:], atol=1e-5, rtol=0)
 
 
-def test_sequences_longer_than_a_sliding_window_are_refused() -> None:
-    lm = tiny_lm("mistral")
-    object.__setattr__(lm, "spec", type(lm.spec)(**{**vars(lm.spec), "sliding_window": 16}))
-    prefill(lm, token_ids(16))
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("mistral", {"sliding_window": 16}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+    ],
+)
+def test_sequences_longer_than_a_sliding_window_are_refused(kind: str, overrides: dict) -> None:
+    """Up to the window, sliding-window attention is plain causal attention; past it, refuse."""
+    lm = LoadedModel.from_hf(tiny_hf_model(kind, **overrides))
+    assert lm.spec.sliding_window == 16
+    ids = token_ids(16)
+    with torch.no_grad():
+        _close(prefill(lm, ids)[0], lm.hf(ids[None]).logits[0, -1])
     with pytest.raises(ValueError, match="sliding window"):
         prefill(lm, token_ids(17))
+
+
+def test_qwen2_without_sliding_layers_has_no_window() -> None:
+    lm = LoadedModel.from_hf(tiny_hf_model("qwen2", sliding_window=16))
+    assert lm.spec.sliding_window is None

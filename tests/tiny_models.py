@@ -39,22 +39,25 @@ LLAMA3_ROPE = {
 KINDS = ("llama", "qwen2", "mistral", "llama3_rope")
 
 
-def tiny_config(kind: str) -> PretrainedConfig:
+def tiny_config(kind: str, **overrides: Any) -> PretrainedConfig:
     """A tiny config: Llama, Qwen2 (q/k/v bias), Mistral, or Llama with llama3 RoPE scaling."""
+    shape = {**_SHAPE, **overrides}
     if kind == "llama":
-        return LlamaConfig(**_SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 100.0})
+        return LlamaConfig(
+            **{"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}, **shape}
+        )
     if kind == "qwen2":
-        return Qwen2Config(**_SHAPE)
+        return Qwen2Config(**shape)
     if kind == "mistral":
-        return MistralConfig(**_SHAPE, sliding_window=None)
+        return MistralConfig(**{"sliding_window": None, **shape})
     if kind == "llama3_rope":
-        return LlamaConfig(**_SHAPE, rope_parameters=dict(LLAMA3_ROPE))
+        return LlamaConfig(**shape, rope_parameters=dict(LLAMA3_ROPE))
     raise ValueError(kind)
 
 
-def tiny_hf_model(kind: str = "llama", seed: int = 0) -> Any:
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides: Any) -> Any:
     """A random model whose activations are O(1); every parameter, biases included, is random."""
-    config = tiny_config(kind)
+    config = tiny_config(kind, **overrides)
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
