@@ -55,7 +55,9 @@ class ChunkCache:
         self.prefix_tree = ChunkPrefixTree(promotion_threshold, max_nodes=16 * window)
         # Not `ledger or ...`: an empty ledger or registry has len 0 and is falsy.
         self.ledger = ledger if ledger is not None else ConversationLedger()
-        self.registry = registry if registry is not None else ChunkRegistry()
+        # The LLM side finds recently retrieved chunks in prompts; 20 distinct chunks
+        # per windowed request covers k <= 20 with a window full of new chunks.
+        self.registry = registry if registry is not None else ChunkRegistry(20 * window)
         self._lock = threading.Lock()
         self.num_requests = 0
 

@@ -21,6 +21,9 @@ QUESTION_TEMPLATES = (
     "Explain {title} with an example.",
     "What arguments does {title} take?",
     "When should I use {title}?",
+    "In {topic}, what does it mean that {phrase}?",
+    "Why does {title} say {phrase}?",
+    "{phrase}: how does that work in {topic}?",
 )
 
 
@@ -55,6 +58,16 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (rank**s) for rank in range(1, n + 1)]
 
 
+def random_phrase(chunk: CorpusChunk, rng: random.Random, num_words: int = 5) -> str:
+    """A few consecutive words of the chunk body: users quote what they half remember,
+    so questions on one chunk differ and retrieve overlapping, reordered sets."""
+    words = chunk.text.split("\n", 1)[-1].split()
+    if len(words) <= num_words:
+        return " ".join(words) or chunk.title
+    start = rng.randrange(len(words) - num_words)
+    return " ".join(words[start : start + num_words])
+
+
 def multi_turn_trace(chunks: Sequence[CorpusChunk], config: WorkloadConfig) -> list[Turn]:
     """Turns of ``config.num_conversations`` conversations, sorted by arrival time."""
     if not 1 <= config.min_turns <= config.max_turns:
@@ -79,7 +92,9 @@ def multi_turn_trace(chunks: Sequence[CorpusChunk], config: WorkloadConfig) -> l
             candidates = by_topic[topic]
             weights = zipf_weights(len(candidates), config.chunk_zipf_s)
             chunk = rng.choices(candidates, weights=weights)[0]
-            question = rng.choice(QUESTION_TEMPLATES).format(title=chunk.title)
+            question = rng.choice(QUESTION_TEMPLATES).format(
+                title=chunk.title, topic=topic, phrase=random_phrase(chunk, rng)
+            )
             turns.append(Turn(f"conv-{number:05d}", turn_index, question, topic, arrival))
             arrival += rng.expovariate(1.0 / config.think_time_s)
     turns.sort(key=lambda turn: (turn.arrival_s, turn.conversation_id, turn.turn_index))
