@@ -32,7 +32,8 @@ from langchain_core.retrievers import BaseRetriever
 from chunkcache.core import ChunkCache, prefix_metric, total_metric
 from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.corpus import load_corpus
-from chunkcache.core.ordering import ORDERINGS
+from chunkcache.core.ledger import DedupeMode
+from chunkcache.core.ordering import ORDERINGS, Ordering
 from chunkcache.core.workload import Turn, WorkloadConfig, multi_turn_trace, zipf_weights
 from chunkcache.integrations.indexes import langchain_corpus_retriever
 from chunkcache.integrations.langchain import ChunkCacheRetriever
@@ -52,7 +53,10 @@ def retrieve_trace(turns: Sequence[Turn], k: int) -> dict[str, list[str]]:
 
 
 def replay(
-    turns: Sequence[Turn], retrieved: dict[str, list[str]], ordering: str, dedupe: str
+    turns: Sequence[Turn],
+    retrieved: dict[str, list[str]],
+    ordering: Ordering,
+    dedupe: DedupeMode,
 ) -> tuple[list[list[str]], int]:
     """Chunk orders a fresh ChunkCache gives the trace, and how many chunks it dropped."""
     cache = ChunkCache()
@@ -62,8 +66,8 @@ def replay(
         arrangement = cache.arrange(
             retrieved[turn.question],
             conversation_id=turn.conversation_id,
-            ordering=ordering,  # type: ignore[arg-type]
-            dedupe=dedupe,  # type: ignore[arg-type]
+            ordering=ordering,
+            dedupe=dedupe,
         )
         orders.append(arrangement.order)
         dropped += len(arrangement.dropped)

@@ -23,7 +23,7 @@ from typing import Literal, get_args
 from chunkcache.core.errors import InvalidConversationIdError
 
 DedupeMode = Literal["drop", "mark", "off"]
-DEDUPE_MODES: tuple[str, ...] = get_args(DedupeMode)
+DEDUPE_MODES: tuple[DedupeMode, ...] = get_args(DedupeMode)
 MAX_CONVERSATION_ID_LENGTH = 256
 
 
@@ -31,7 +31,7 @@ def check_dedupe_mode(mode: str) -> DedupeMode:
     """Return ``mode`` if it names a dedupe mode, else raise ValueError."""
     if mode not in DEDUPE_MODES:
         raise ValueError(f"unknown dedupe mode {mode!r}; choose one of {DEDUPE_MODES}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def check_conversation_id(conversation_id: object) -> str:

@@ -17,14 +17,14 @@ from chunkcache.core.access_table import AccessTable
 from chunkcache.core.prefix_tree import ChunkPrefixTree
 
 Ordering = Literal["tree", "frequency", "retriever"]
-ORDERINGS: tuple[str, ...] = get_args(Ordering)
+ORDERINGS: tuple[Ordering, ...] = get_args(Ordering)
 
 
 def check_ordering(ordering: str) -> Ordering:
     """Return ``ordering`` if it names a known ordering, else raise ValueError."""
     if ordering not in ORDERINGS:
         raise ValueError(f"unknown ordering {ordering!r}; choose one of {ORDERINGS}")
-    return ordering  # type: ignore[return-value]
+    return ordering
 
 
 def tree_guided_order(

@@ -10,6 +10,7 @@ from chunkcache.core import cache as cache_module
 from chunkcache.core.cache import Arrangement, ChunkCache, default_cache
 from chunkcache.core.errors import InvalidConversationIdError
 from chunkcache.core.ledger import ConversationLedger
+from chunkcache.core.ordering import Ordering
 from chunkcache.core.registry import ChunkRegistry
 
 
@@ -25,7 +26,7 @@ def test_first_request_keeps_the_set_and_matches_nothing() -> None:
 
 
 @pytest.mark.parametrize("ordering", ["tree", "frequency", "retriever"])
-def test_prefix_length_grows_when_the_same_set_repeats(ordering: str) -> None:
+def test_prefix_length_grows_when_the_same_set_repeats(ordering: Ordering) -> None:
     cache = ChunkCache()  # promotion threshold 2
     lengths = [cache.arrange(["x", "y", "z"], ordering=ordering).prefix_length for _ in range(4)]
     # Request 2 brings every count to 2 and promotes the order; request 3 reuses it.
@@ -98,13 +99,13 @@ def test_off_ignores_the_ledger() -> None:
 def test_bad_arguments() -> None:
     cache = ChunkCache()
     with pytest.raises(ValueError, match="dedupe"):
-        cache.arrange(["a"], dedupe="remove")
+        cache.arrange(["a"], dedupe="remove")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ordering"):
-        cache.arrange(["a"], ordering="random")
+        cache.arrange(["a"], ordering="random")  # type: ignore[arg-type]
     with pytest.raises(InvalidConversationIdError):
         cache.arrange(["a"], conversation_id="")
     with pytest.raises(InvalidConversationIdError):
-        cache.arrange(["a"], conversation_id=["conv"])
+        cache.arrange(["a"], conversation_id=["conv"])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         cache.arrange("abc")  # one str is not a list of ids
     assert cache.num_requests == 0

@@ -129,14 +129,14 @@ def test_invalid_chunk_error_is_a_value_error_and_a_chunkcache_error() -> None:
 @pytest.mark.parametrize("value", [None, b"bytes", 42, 1.5, ["text"], {"text": 1}])
 def test_non_str_text_raises_type_error(value: object) -> None:
     with pytest.raises(TypeError):
-        chunk_id(value)
+        chunk_id(value)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        normalize_text(value)
+        normalize_text(value)  # type: ignore[arg-type]
 
 
 def test_non_str_namespace_raises_type_error() -> None:
     with pytest.raises(TypeError):
-        chunk_id("text", namespace=None)
+        chunk_id("text", namespace=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,19 @@ first time) and reused by every later run.
 
 import subprocess
 import sys
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig
 from langchain_tests.integration_tests import (
     EmbeddingsIntegrationTests,
     RetrieversIntegrationTests,
@@ -32,6 +37,7 @@ from chunkcache.integrations.embeddings import (
     embed_texts,
 )
 from chunkcache.integrations.indexes import (
+    Store,
     corpus_chroma_collection,
     corpus_faiss_index,
     langchain_corpus_retriever,
@@ -98,7 +104,8 @@ def test_indexes_hold_the_whole_corpus():
     corpus = load_corpus()
     collection = corpus_chroma_collection()
     assert collection.count() == len(corpus)
-    assert collection.configuration["hnsw"]["space"] == "cosine"
+    hnsw = collection.configuration["hnsw"]
+    assert hnsw is not None and hnsw["space"] == "cosine"
     assert collection.get(ids=[corpus[0].chunk_id])["documents"] == [corpus[0].text]
     index = corpus_faiss_index()
     assert index.ntotal == len(corpus) and index.d == EMBEDDING_DIM
@@ -164,10 +171,31 @@ async def test_llama_index_retriever_returns_text_nodes(store, corpus_by_text):
     assert [r.node.id_ for r in async_results] == [r.node.id_ for r in results]
 
 
+class CorpusRetriever(BaseRetriever):
+    """``langchain_corpus_retriever(store, k)`` as the ``BaseRetriever`` subclass that
+    LangChain's standard tests construct; every call goes to the real retriever."""
+
+    store: Store = "chroma"
+    k: int = 5
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        retriever = langchain_corpus_retriever(self.store, k=self.k)
+        return retriever.invoke(query, RunnableConfig(callbacks=run_manager.get_child()), **kwargs)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        retriever = langchain_corpus_retriever(self.store, k=self.k)
+        config = RunnableConfig(callbacks=run_manager.get_child())
+        return await retriever.ainvoke(query, config, **kwargs)
+
+
 class TestChromaCorpusRetriever(RetrieversIntegrationTests):
     @property
-    def retriever_constructor(self) -> Callable[..., BaseRetriever]:
-        return langchain_corpus_retriever
+    def retriever_constructor(self) -> type[BaseRetriever]:
+        return CorpusRetriever
 
     @property
     def retriever_constructor_params(self) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.chat_history import InMemoryChatMessageHistory
@@ -12,9 +11,10 @@ from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import RunnableLambda
+from langchain_core.runnables import RunnableConfig, RunnableLambda
 
 from chunkcache.core import ChunkCache
+from chunkcache.core.ledger import DedupeMode
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_history import (
     chunk_chat_prompt,
@@ -35,7 +35,7 @@ class WindowRetriever(BaseRetriever):
         return [Document(page_content=t) for t in TEXTS[start : start + 3]]
 
 
-def run_conversation(questions: list[str], dedupe: str = "drop") -> list[list[BaseMessage]]:
+def run_conversation(questions: list[str], dedupe: DedupeMode = "drop") -> list[list[BaseMessage]]:
     histories: dict[str, InMemoryChatMessageHistory] = {}
     prompts: list[list[BaseMessage]] = []
 
@@ -54,7 +54,7 @@ def run_conversation(questions: list[str], dedupe: str = "drop") -> list[list[Ba
         retriever,
         lambda sid: histories.setdefault(sid, InMemoryChatMessageHistory()),
     )
-    config: Any = {"configurable": {"session_id": "conv-1"}}
+    config = RunnableConfig(configurable={"session_id": "conv-1"})
     for question in questions:
         chain.invoke({"question": question}, config=config)
     return prompts

@@ -8,6 +8,7 @@ import pytest
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig
 
 from chunkcache.core import ChunkCache, chunk_id
 from chunkcache.integrations.langchain import ChunkCacheRetriever, conversation_id_from_config
@@ -38,8 +39,8 @@ def make_retriever(texts: list[str], **kwargs: Any) -> ChunkCacheRetriever:
 TEXTS = [f"chunk number {i}" for i in range(10)]
 
 
-def session(name: str) -> dict[str, Any]:
-    return {"configurable": {"session_id": name}}
+def session(name: str) -> RunnableConfig:
+    return RunnableConfig(configurable={"session_id": name})
 
 
 def test_every_document_gets_chunk_metadata_and_id() -> None:
@@ -70,11 +71,11 @@ def test_k_is_forwarded_from_constructor_and_call() -> None:
 
 @pytest.mark.parametrize("key", ["conversation_id", "session_id", "thread_id"])
 def test_conversation_id_read_from_any_config_key(key: str) -> None:
-    assert conversation_id_from_config({"configurable": {key: "c1"}}) == "c1"
+    assert conversation_id_from_config(RunnableConfig(configurable={key: "c1"})) == "c1"
 
 
 def test_conversation_id_key_precedence() -> None:
-    config = {"configurable": {"thread_id": "t", "conversation_id": "c"}}
+    config = RunnableConfig(configurable={"thread_id": "t", "conversation_id": "c"})
     assert conversation_id_from_config(config) == "c"
     assert conversation_id_from_config(None) is None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import TypedDict
 
 import pytest
 from hypothesis import settings
@@ -15,9 +16,16 @@ from chunkcache.core.ledger import (
     DEDUPE_MODES,
     MAX_CONVERSATION_ID_LENGTH,
     ConversationLedger,
+    DedupeMode,
     check_conversation_id,
     check_dedupe_mode,
 )
+
+
+class LedgerBounds(TypedDict, total=False):
+    max_conversations: int
+    ttl_s: float
+    max_chunks_per_conversation: int
 
 
 class FakeClock:
@@ -35,14 +43,14 @@ def test_modes() -> None:
     with pytest.raises(ValueError):
         check_dedupe_mode("dedupe")
     with pytest.raises(ValueError):
-        ConversationLedger().apply("c", ["a"], "Drop")
+        ConversationLedger().apply("c", ["a"], "Drop")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_conversations": 0}, {"ttl_s": 0}, {"ttl_s": -1.0}, {"max_chunks_per_conversation": 0}],
 )
-def test_bounds_must_be_positive(kwargs: dict[str, float]) -> None:
+def test_bounds_must_be_positive(kwargs: LedgerBounds) -> None:
     with pytest.raises(ValueError):
         ConversationLedger(**kwargs)
 
@@ -99,7 +107,7 @@ def test_off_keeps_everything_and_records_nothing() -> None:
 
 
 @pytest.mark.parametrize("mode", DEDUPE_MODES)
-def test_duplicates_within_one_turn_collapse_in_order(mode: str) -> None:
+def test_duplicates_within_one_turn_collapse_in_order(mode: DedupeMode) -> None:
     result = ConversationLedger().apply("conv", ["b", "a", "b", "a", "c"], mode)
     assert result.kept == ["b", "a", "c"]
     assert result.dropped == []
@@ -127,7 +135,7 @@ def test_record_and_forget() -> None:
 
 def test_int_ids_are_the_same_conversation_as_their_str() -> None:
     ledger = ConversationLedger()
-    ledger.apply(42, ["a"], "mark")
+    ledger.apply(42, ["a"], "mark")  # type: ignore[arg-type]  # int ids are accepted at run time
     assert ledger.seen("42") == {"a"}
     assert 42 in ledger
     assert "42" in ledger
@@ -142,15 +150,15 @@ def test_invalid_conversation_ids_raise(bad: object) -> None:
     with pytest.raises(InvalidConversationIdError):
         check_conversation_id(bad)
     with pytest.raises(InvalidConversationIdError):
-        ledger.apply(bad, ["a"], "drop")
+        ledger.apply(bad, ["a"], "drop")  # type: ignore[arg-type]
     with pytest.raises(InvalidConversationIdError):
-        ledger.seen(bad)
+        ledger.seen(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidConversationIdError):
-        ledger.record(bad, ["a"])
+        ledger.record(bad, ["a"])  # type: ignore[arg-type]
     with pytest.raises(InvalidConversationIdError):
-        ledger.forget(bad)
+        ledger.forget(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):  # also a ValueError for callers that catch those
-        ledger.apply(bad, ["a"], "mark")
+        ledger.apply(bad, ["a"], "mark")  # type: ignore[arg-type]
     assert (bad in ledger) is False
     assert len(ledger) == 0
 
@@ -303,7 +311,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ids=st.lists(st.sampled_from("pqrstuvw"), max_size=6),
         mode=st.sampled_from(DEDUPE_MODES),
     )
-    def apply(self, conversation: str, ids: list[str], mode: str) -> None:
+    def apply(self, conversation: str, ids: list[str], mode: DedupeMode) -> None:
         self._expire()
         before, _ = self.model.get(conversation, ([], 0.0))
         unique = list(dict.fromkeys(ids))

@@ -103,7 +103,9 @@ def make_retriever(results: dict[str, list[str]], **kwargs: Any) -> ChunkCacheRe
 def test_nodes_carry_chunk_metadata_and_keep_their_ids() -> None:
     retriever = make_retriever({"q": [A, B]}, ordering="retriever")
     nodes = retriever.retrieve("q")
-    base_nodes = retriever.base_retriever.returned
+    fixed = retriever.base_retriever
+    assert isinstance(fixed, FixedRetriever)
+    base_nodes = fixed.returned
     assert texts(nodes) == [A, B]
     for rank, (node, base) in enumerate(zip(nodes, base_nodes, strict=True)):
         assert node.node.metadata == {
@@ -119,7 +121,9 @@ def test_nodes_carry_chunk_metadata_and_keep_their_ids() -> None:
 def test_base_nodes_are_not_mutated() -> None:
     retriever = make_retriever({"q": [A, B]})
     retriever.retrieve("q")
-    for base in retriever.base_retriever.returned:
+    fixed = retriever.base_retriever
+    assert isinstance(fixed, FixedRetriever)
+    for base in fixed.returned:
         assert set(base.node.metadata) == {"source"}
         assert base.node.excluded_llm_metadata_keys == []
         assert base.node.excluded_embed_metadata_keys == []
@@ -217,9 +221,9 @@ def test_frequency_ordering_puts_frequent_chunks_first() -> None:
 def test_constructor_validates_names_and_defaults_to_the_shared_cache() -> None:
     base = FixedRetriever({})
     with pytest.raises(ValueError, match="ordering"):
-        ChunkCacheRetriever(base, ordering="random")
+        ChunkCacheRetriever(base, ordering="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dedupe"):
-        ChunkCacheRetriever(base, dedupe="skip")
+        ChunkCacheRetriever(base, dedupe="skip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="conversation id"):
         ChunkCacheRetriever(base, conversation_id="")
     assert ChunkCacheRetriever(base).cache is default_cache()
@@ -256,13 +260,14 @@ async def test_postprocessor_matches_the_retriever() -> None:
 
 
 def test_postprocessor_fields_and_for_conversation() -> None:
-    postprocessor = ChunkCachePostprocessor(cache=None, dedupe="drop")
+    # The field is a ChunkCache; None is turned into the default by its "before" validator.
+    postprocessor = ChunkCachePostprocessor(cache=None, dedupe="drop")  # type: ignore[arg-type]
     assert postprocessor.cache is default_cache()
     bound = postprocessor.for_conversation("conv-9")
     assert (bound.conversation_id, bound.cache, bound.dedupe) == ("conv-9", default_cache(), "drop")
     assert postprocessor.conversation_id is None
     with pytest.raises(ValueError):
-        ChunkCachePostprocessor(ordering="random")
+        ChunkCachePostprocessor(ordering="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ChunkCachePostprocessor(conversation_id="")
 
@@ -283,8 +288,14 @@ def make_engine(results: dict[str, list[str]] = TURNS, **kwargs: Any) -> ChunkCa
     )
 
 
+def recording_llm(engine: ChunkCacheChatEngine) -> RecordingLLM:
+    llm = engine._llm
+    assert isinstance(llm, RecordingLLM)
+    return llm
+
+
 def prompts(engine: ChunkCacheChatEngine) -> list[str]:
-    return engine._llm.prompts
+    return recording_llm(engine).prompts
 
 
 def assert_each_prompt_extends_the_last(engine: ChunkCacheChatEngine) -> None:
@@ -350,7 +361,7 @@ def test_trimming_history_resyncs_the_ledger() -> None:
 
 def test_a_failed_turn_does_not_leave_its_chunks_marked_seen() -> None:
     engine = make_engine()
-    engine._llm.fail_next = True
+    recording_llm(engine).fail_next = True
     with pytest.raises(RuntimeError):
         engine.chat("q1")
     assert engine.chat_history == []

@@ -111,11 +111,11 @@ def test_bad_ids_and_texts() -> None:
     with pytest.raises(InvalidChunkError):
         registry.register("bad id", "text")
     with pytest.raises(InvalidChunkError):
-        registry.register(None, "text")
+        registry.register(None, "text")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        registry.register("ok", b"bytes")
+        registry.register("ok", b"bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        registry.register("ok", None)
+        registry.register("ok", None)  # type: ignore[arg-type]
     assert len(registry) == 0
     assert registry.version == 0
 

@@ -12,6 +12,8 @@ import pytest
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id
 from chunkcache.core.errors import InvalidChunkError, InvalidConversationIdError
+from chunkcache.core.ledger import DedupeMode
+from chunkcache.core.ordering import Ordering
 from chunkcache.core.registry import ChunkRegistry
 from chunkcache.core.retrieval import (
     PlannedChunk,
@@ -28,8 +30,8 @@ def plan(
     cache: ChunkCache,
     *,
     conversation_id: str | None = None,
-    ordering: str = "retriever",
-    dedupe: str = "mark",
+    ordering: Ordering = "retriever",
+    dedupe: DedupeMode = "mark",
 ) -> RetrievalPlan:
     return plan_retrieval(
         documents,
