@@ -54,7 +54,11 @@ class ChunkCache:
         # keeps the tree bounded by the window, as the access table is.
         self.prefix_tree = ChunkPrefixTree(promotion_threshold, max_nodes=16 * window)
         # Not `ledger or ...`: an empty ledger or registry has len 0 and is falsy.
-        self.ledger = ledger if ledger is not None else ConversationLedger()
+        # Forgetting a conversation is always safe (its chunks are just sent again),
+        # so the ledger keeps the 2 x window most recently active conversations.
+        self.ledger = (
+            ledger if ledger is not None else ConversationLedger(max_conversations=2 * window)
+        )
         # The LLM side finds recently retrieved chunks in prompts; 20 distinct chunks
         # per windowed request covers k <= 20 with a window full of new chunks.
         self.registry = registry if registry is not None else ChunkRegistry(20 * window)
