@@ -73,7 +73,7 @@ class ModelSpec:
         )
 
 
-def rope_from_config(config: Any, head_dim: int) -> Rope:
+def rope_from_config(config: Any, head_dim: int, device: torch.device | str = "cpu") -> Rope:
     """The model's RoPE, using transformers' init functions for scaled variants (e.g. llama3)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -84,9 +84,9 @@ def rope_from_config(config: Any, head_dim: int) -> Rope:
     ):
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported")
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
         return Rope(1.0 / (params["rope_theta"] ** exponents))
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     return Rope(inv_freq.float(), float(scaling))
 
 
@@ -107,8 +107,7 @@ class LoadedModel:
         """Wrap a model already in memory; ``weights`` defaults to a digest of its tensors."""
         hf.eval().requires_grad_(False)
         spec = ModelSpec.from_config(hf.config, type(hf).__name__)
-        rope = rope_from_config(hf.config, spec.head_dim)
-        rope = Rope(rope.inv_freq.to(next(hf.parameters()).device), rope.attention_scaling)
+        rope = rope_from_config(hf.config, spec.head_dim, next(hf.parameters()).device)
         weights = weights or state_dict_digest(hf)
         return cls(hf, tokenizer, spec, rope, fingerprint(hf, weights, tokenizer_digest(tokenizer)))
 
