@@ -1,0 +1,112 @@
+"""What an LLM wrapper sends a backend, and what comes back.
+
+A request is a prompt already split into segments (plain text and chunks) plus a
+recompute policy and sampling settings.  A backend streams text pieces; the last
+piece carries the request's :class:`GenerationStats`.  Every backend (the local
+engine, ``chunkcache serve`` over HTTP, vLLM) implements :class:`Backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol, get_args
+
+from chunkcache.core.segmenter import Segment
+
+Policy = Literal["full", "prefix", "reuse", "cacheblend", "cachecraft"]
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+DEFAULT_POLICY: Policy = "cacheblend"
+DEFAULT_RECOMPUTE_RATIO = 0.15  # CacheBlend §4.3 / §7: 15% keeps quality at full-prefill level
+
+
+def check_policy(policy: str) -> Policy:
+    """Return ``policy`` if it names a recompute policy, else raise ValueError."""
+    for known in POLICIES:
+        if policy == known:
+            return known
+    raise ValueError(f"unknown recompute policy {policy!r}; choose one of {POLICIES}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, as segments, and how to run it."""
+
+    segments: Sequence[Segment]
+    conversation_id: str | None = None
+    policy: Policy = DEFAULT_POLICY
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        if not 0 <= self.recompute_ratio <= 1:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+
+
+@dataclass
+class GenerationStats:
+    """Where a request's prompt tokens came from, and how long the first token took.
+
+    ``reused_tokens`` were served from cache (exact prefix or moved chunk KV, minus
+    those recomputed); ``recomputed_tokens`` were cached but computed again
+    (selective recompute); ``computed_tokens`` had no cache entry.  The three add
+    up to ``prompt_tokens``.
+    """
+
+    policy: str
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    computed_tokens: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """A piece of generated text; the final piece has ``stats`` set."""
+
+    text: str
+    stats: GenerationStats | None = None
+
+
+class Backend(Protocol):
+    """Something that runs segmented prompts: the local engine, a server, vLLM."""
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text for chat ``messages`` (``role``/``content`` dicts), ready for
+        the assistant's turn: the model's chat template applied."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """Generate for ``request``, yielding text as it is decoded; the last chunk
+        carries the stats."""
+        ...
