@@ -1,8 +1,9 @@
 """``ChunkCache``: the state both sides of a RAG app share.
 
-It holds the access table, the chunk-prefix tree, the conversation ledger and
-the chunk registry.  Retriever wrappers call :meth:`ChunkCache.arrange` once per
-request; LLM wrappers read the registry.  Wrappers created without ``cache=``
+It holds the access table, the chunk-prefix tree, the conversation ledger, the
+chunk registry (with a matcher over it) and the generation backend.  Retriever
+wrappers call :meth:`ChunkCache.arrange` once per request; LLM wrappers find the
+registered chunks in their prompts and send them to :attr:`ChunkCache.backend`.  Wrappers created without ``cache=``
 share :func:`default_cache`, so a retriever and an LLM cooperate unwired.
 """
 
@@ -14,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkcache.core.access_table import DEFAULT_WINDOW, AccessTable
+from chunkcache.core.generation import Backend
 from chunkcache.core.ledger import ConversationLedger, DedupeMode, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering, order_chunks
 from chunkcache.core.prefix_tree import DEFAULT_PROMOTION_THRESHOLD, ChunkPrefixTree
 from chunkcache.core.registry import ChunkRegistry
+from chunkcache.core.segmenter import ChunkMatcher
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,10 @@ class ChunkCache:
         namespace: str = "",
         ledger: ConversationLedger | None = None,
         registry: ChunkRegistry | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.namespace = namespace
+        self._backend = backend
         self.access_table = AccessTable(window)
         # Each request adds at most a few promoted nodes; 16 per windowed request
         # keeps the tree bounded by the window, as the access table is.
@@ -62,8 +67,23 @@ class ChunkCache:
         # The LLM side finds recently retrieved chunks in prompts; 20 distinct chunks
         # per windowed request covers k <= 20 with a window full of new chunks.
         self.registry = registry if registry is not None else ChunkRegistry(20 * window)
+        self.matcher = ChunkMatcher(self.registry)
         self._lock = threading.Lock()
         self.num_requests = 0
+
+    @property
+    def backend(self) -> Backend:
+        """Where prompts are run; the local engine on the default model unless one was given.
+
+        The local backend is created on first use (it loads the model), so the
+        retriever side never pays for it.
+        """
+        with self._lock:
+            if self._backend is None:
+                from chunkcache.core.local_backend import LocalBackend
+
+                self._backend = LocalBackend.default()
+            return self._backend
 
     def arrange(
         self,
