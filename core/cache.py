@@ -3,8 +3,9 @@
 It holds the access table, the chunk-prefix tree, the conversation ledger, the
 chunk registry (with a matcher over it) and the generation backend.  Retriever
 wrappers call :meth:`ChunkCache.arrange` once per request; LLM wrappers find the
-registered chunks in their prompts and send them to :attr:`ChunkCache.backend`.  Wrappers created without ``cache=``
-share :func:`default_cache`, so a retriever and an LLM cooperate unwired.
+registered chunks in their prompts and send them to :attr:`ChunkCache.backend`.
+Wrappers created without ``cache=`` share :func:`default_cache`, so a retriever
+and an LLM cooperate unwired.
 """
 
 from __future__ import annotations
