@@ -10,6 +10,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,22 @@ def pull_default_model() -> Path:
         gguf = _installed_gguf()
     if gguf is None:
         raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but ships no .gguf file")
+    model, tokenizer = _dequantize(gguf)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        model.save_pretrained(partial)  # also writes generation_config.json
+        tokenizer.save_pretrained(partial)
+        partial.replace(target)  # atomic: a half-written copy is never taken for the model
+    except OSError:
+        if not (target / "config.json").is_file():  # else another process finished first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _dequantize(gguf: Path) -> tuple[Any, Any]:
+    """A plain float32 model and the tokenizer from a GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
@@ -85,15 +102,7 @@ def pull_default_model() -> Path:
     model.load_state_dict(dequantized.state_dict(), assign=True)
     model.tie_weights()
     model.generation_config = dequantized.generation_config
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    model.save_pretrained(partial)  # also writes generation_config.json
-    tokenizer.save_pretrained(partial)
-    try:
-        partial.replace(target)  # atomic: a half-written copy is never taken for the model
-    except OSError:  # another process finished first
-        if not (target / "config.json").is_file():
-            raise
-    return target
+    return model, tokenizer
 
 
 def _installed_gguf() -> Path | None:
