@@ -1,0 +1,256 @@
+"""The chunk-cache engine: prefill a segmented prompt reusing cached KV, then decode.
+
+One request runs ``plan -> place -> compute -> store``:
+
+1. Exact prefix: the longest run of leading segments whose variant was computed in
+   exactly this context (CRAFT's chunk-prefix; system prompt and earlier turns are
+   segments too), or the longest token prefix shared with the conversation's last
+   sequence, whichever is longer.  Always taken, whatever the policy but ``full``.
+2. Place: for ``reuse``/``cacheblend``/``cachecraft``, every later chunk with any
+   stored variant has its keys moved to their new positions (RoPE shift) and its
+   values copied (CacheBlend §3).
+3. Compute: tokens with no KV run all layers; reused tokens are selectively
+   recomputed by the policy (:mod:`chunkcache.core.recompute`).
+4. Store: segments computed fresh become variants of their context.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
+from chunkcache.core.kv_store import (
+    ROOT_CONTEXT,
+    KVStore,
+    KVVariant,
+    MemoryKVStore,
+    extend_context,
+)
+from chunkcache.core.model_forward import last_logits, prefill
+from chunkcache.core.models import LoadedModel
+from chunkcache.core.recompute import recompute
+from chunkcache.core.sampling import sample_token
+from chunkcache.kernels.kv import SeqKV
+
+
+class PromptTooLongError(ChunkCacheError, ValueError):
+    """The prompt (plus the tokens to generate) does not fit the model's context window."""
+
+
+@dataclass(frozen=True)
+class TokenSegment:
+    """A prompt segment as tokens: a chunk (``is_chunk``) or plain text."""
+
+    segment_id: str
+    ids: tuple[int, ...]
+    is_chunk: bool
+
+
+@dataclass
+class Prefilled:
+    """A prefilled prompt: its KV, the next-token logits, and where its tokens came from."""
+
+    ids: list[int]
+    kv: SeqKV
+    logits: Tensor  # [V] float32
+    stats: GenerationStats
+    exact_until: int  # slots before this hold exactly what a full prefill would compute
+
+
+class ChunkEngine:
+    """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`."""
+
+    def __init__(
+        self, lm: LoadedModel, store: KVStore | None = None, max_conversations: int = 32
+    ) -> None:
+        self.lm = lm
+        self.store: KVStore = store if store is not None else MemoryKVStore()
+        self.max_conversations = max_conversations
+        self._conversations: OrderedDict[str, Prefilled] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prefill(
+        self,
+        segments: Sequence[TokenSegment],
+        policy: Policy,
+        ratio: float = 0.15,
+        conversation_id: str | None = None,
+        reserve: int = 0,
+    ) -> Prefilled:
+        """Prefill ``segments``; ``reserve`` tokens of room are kept for decoding."""
+        started = time.perf_counter()
+        ids = [token for segment in segments for token in segment.ids]
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        if len(ids) + reserve > self.lm.spec.max_positions:
+            raise PromptTooLongError(
+                f"{len(ids)} prompt tokens + {reserve} to generate exceed the model's "
+                f"context window of {self.lm.spec.max_positions}"
+            )
+        starts, contexts = _layout(segments)
+        stats = GenerationStats(policy=policy, prompt_tokens=len(ids))
+        kv = self.lm.new_kv(len(ids) + reserve)
+        kv.extend(len(ids))
+        exact, exact_until = 0, len(ids)
+        if policy != "full":
+            exact, exact_until = self._take_prefix(segments, ids, conversation_id, kv)
+        exact = min(exact, len(ids) - 1)  # the last token always runs, for its logits
+        reused = self._place(segments, starts, exact, kv) if _reuses(policy) else []
+        slots = torch.arange(len(ids), device=self.lm.device)
+        reused_slots = torch.tensor(reused, dtype=torch.long, device=self.lm.device)
+        computed = slots[exact:][~torch.isin(slots[exact:], reused_slots)]
+        ratio = {"reuse": 0.0, "cacheblend": ratio, "cachecraft": ratio}.get(policy, 1.0)
+        token_ids = torch.tensor(ids, device=self.lm.device)
+        result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
+        if result.num_recomputed < len(reused):  # some reused KV kept as is: approximate
+            exact_until = min(exact_until, min(reused))
+        stats.reused_tokens = exact + len(reused) - result.num_recomputed
+        stats.recomputed_tokens = result.num_recomputed
+        stats.computed_tokens = computed.numel()
+        stats.chunk_hits, stats.chunk_misses = self._store(
+            segments, starts, contexts, exact, set(reused), exact_until, kv
+        )
+        layers = self.lm.spec.num_layers
+        stats.extra["token_layer_share"] = result.token_layers / (len(ids) * layers)
+        stats.extra["prefix_tokens"] = exact
+        stats.ttft_s = time.perf_counter() - started
+        logits = last_logits(self.lm, result.last_hidden)
+        return Prefilled(ids, kv, logits, stats, exact_until)
+
+    def decode(self, prefilled: Prefilled, params: SamplingParams) -> Iterator[int]:
+        """Sample up to ``params.max_tokens`` tokens, extending ``prefilled.kv`` and ``ids``."""
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        logits = prefilled.logits
+        for step in range(params.max_tokens):
+            token = sample_token(logits, params, generator)
+            yield token
+            if step + 1 == params.max_tokens:
+                return
+            logits, _ = prefill(self.lm, torch.tensor([token]), prefilled.kv)
+            prefilled.ids.append(token)
+
+    def remember(self, conversation_id: str, prefilled: Prefilled) -> None:
+        """Keep a conversation's last sequence so its next turn reuses it as a prefix."""
+        with self._lock:
+            self._conversations[conversation_id] = prefilled
+            self._conversations.move_to_end(conversation_id)
+            while len(self._conversations) > self.max_conversations:
+                self._conversations.popitem(last=False)
+
+    def _take_prefix(
+        self,
+        segments: Sequence[TokenSegment],
+        ids: list[int],
+        conversation_id: str | None,
+        kv: SeqKV,
+    ) -> tuple[int, int]:
+        """Copy the longest exact prefix into ``kv``.
+
+        Returns its length in tokens and the first slot whose KV is only
+        approximate (a conversation's past may hold blended KV), or ``len(ids)``.
+        """
+        fingerprint = self.lm.fingerprint
+        hits: list[KVVariant] = []
+        context = ROOT_CONTEXT
+        for segment in segments:
+            variant = self.store.exact(fingerprint, segment.segment_id, context)
+            if variant is None or variant.num_tokens != len(segment.ids):
+                break
+            hits.append(variant)
+            context = extend_context(context, segment.segment_id)
+        from_store = sum(variant.num_tokens for variant in hits)
+        with self._lock:
+            past = self._conversations.get(conversation_id) if conversation_id else None
+        from_past = _common_prefix(ids, past.ids[: past.kv.length]) if past else 0
+        if past is not None and from_past > from_store:
+            kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]
+            kv.v[:, :, :from_past] = past.kv.v[:, :, :from_past]
+            return from_past, min(past.exact_until, len(ids))
+        for variant in hits:
+            kv.k[:, :, variant.start : variant.start + variant.num_tokens] = variant.k
+            kv.v[:, :, variant.start : variant.start + variant.num_tokens] = variant.v
+        return from_store, len(ids)
+
+    def _place(
+        self, segments: Sequence[TokenSegment], starts: list[int], exact: int, kv: SeqKV
+    ) -> list[int]:
+        """Move stored variants of chunks after the exact prefix into ``kv``; their slots."""
+        reused: list[int] = []
+        last_slot = sum(len(segment.ids) for segment in segments) - 1
+        for segment, start in zip(segments, starts, strict=True):
+            if not segment.is_chunk or start < exact:
+                continue
+            variants = self.store.variants(self.lm.fingerprint, segment.segment_id)
+            variant = next((v for v in variants if v.num_tokens == len(segment.ids)), None)
+            if variant is None:
+                continue
+            end = start + variant.num_tokens
+            # k: [L, H_kv, n, D] rotated at variant.start..; moved to start..
+            kv.k[:, :, start:end] = self.lm.rope.shift(variant.k, start - variant.start)
+            kv.v[:, :, start:end] = variant.v
+            reused.extend(slot for slot in range(start, end) if slot != last_slot)
+        return reused
+
+    def _store(
+        self,
+        segments: Sequence[TokenSegment],
+        starts: list[int],
+        contexts: list[str],
+        exact: int,
+        reused: set[int],
+        exact_until: int,
+        kv: SeqKV,
+    ) -> tuple[int, int]:
+        """Store segments computed fresh as variants; count chunk hits and misses."""
+        hits = misses = 0
+        for segment, start, context in zip(segments, starts, contexts, strict=True):
+            end = start + len(segment.ids)
+            cached = end <= exact or start in reused
+            if segment.is_chunk:
+                hits, misses = hits + cached, misses + (not cached)
+            is_exact = end <= exact_until
+            if cached or not (segment.is_chunk or is_exact) or start < exact:
+                continue
+            variant = KVVariant(
+                segment.segment_id,
+                context,
+                start,
+                is_exact,
+                kv.k[:, :, start:end].clone(),
+                kv.v[:, :, start:end].clone(),
+            )
+            self.store.put(self.lm.fingerprint, variant)
+        return hits, misses
+
+
+def _reuses(policy: Policy) -> bool:
+    return policy in ("reuse", "cacheblend", "cachecraft")
+
+
+def _layout(segments: Sequence[TokenSegment]) -> tuple[list[int], list[str]]:
+    """Each segment's first slot and the hash of everything before it."""
+    starts, contexts = [], []
+    start, context = 0, ROOT_CONTEXT
+    for segment in segments:
+        starts.append(start)
+        contexts.append(context)
+        start += len(segment.ids)
+        context = extend_context(context, segment.segment_id)
+    return starts, contexts
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

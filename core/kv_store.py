@@ -1,0 +1,136 @@
+"""Chunk-KV variants and the in-memory store the engine keeps them in.
+
+Every cached segment KV is a *variant*: the KV of one segment (a chunk, or a
+piece of plain prompt text) computed in a known context (DESIGN: "one idea
+unifies the store").  ``context`` hashes every token before the segment, so a
+variant whose context equals a request's is an exact prefix hit; any other
+variant of the same segment is a reuse candidate whose keys must be moved to
+the new position (CacheBlend §3, Cache-Craft §3.2).  Keys are stored rotated at
+their original positions ``start ...``; :meth:`Rope.shift` moves them.
+
+Keys are namespaced by the model fingerprint, so one model's KV never reaches
+another.  The tiered store (device/host/disk/Redis) implements the same
+:class:`KVStore` protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+def segment_key(token_ids: Sequence[int]) -> str:
+    """Content id of a plain-text segment: a hash of its token ids."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(b"chunkcache/text-segment/v1\x00")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return digest.hexdigest()
+
+
+def extend_context(context: str, segment_id: str) -> str:
+    """The context after ``segment_id`` follows ``context`` (a hash chain over segments)."""
+    return hashlib.blake2b(f"{context}/{segment_id}".encode(), digest_size=16).hexdigest()
+
+
+ROOT_CONTEXT = "root"
+
+
+@dataclass(frozen=True)
+class KVVariant:
+    """One segment's KV, computed at positions ``start ... start + n`` after ``context``.
+
+    ``exact`` is False when the KV before it was itself approximate (reused with
+    selective recompute): such a variant is a reuse candidate, never a prefix hit.
+    """
+
+    segment_id: str
+    context: str
+    start: int
+    exact: bool
+    k: Tensor  # [L, H_kv, n, D], rotated at positions start ... start + n - 1
+    v: Tensor  # [L, H_kv, n, D]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class KVStore(Protocol):
+    """What the engine needs from a chunk-KV store."""
+
+    def put(self, fingerprint: str, variant: KVVariant) -> None: ...
+
+    def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
+        """The exact variant of ``segment_id`` after ``context``, if stored."""
+        ...
+
+    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+        """Every stored variant of ``segment_id``, most recently used first."""
+        ...
+
+
+class MemoryKVStore:
+    """Variants in host (or device) memory, least recently used evicted past ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int = 4 * 2**30) -> None:
+        if capacity_bytes < 1:
+            raise ValueError("capacity_bytes must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.num_bytes = 0
+        self.num_evictions = 0
+        self._entries: OrderedDict[tuple[str, str, str], KVVariant] = OrderedDict()
+        self._by_segment: dict[tuple[str, str], dict[str, None]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, fingerprint: str, variant: KVVariant) -> None:
+        if variant.num_bytes > self.capacity_bytes:
+            return
+        key = (fingerprint, variant.segment_id, variant.context)
+        with self._lock:
+            self._drop(key)
+            self._entries[key] = variant
+            self._by_segment.setdefault(key[:2], {})[variant.context] = None
+            self.num_bytes += variant.num_bytes
+            while self.num_bytes > self.capacity_bytes:
+                self._drop(next(iter(self._entries)))
+                self.num_evictions += 1
+
+    def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
+        key = (fingerprint, segment_id, context)
+        with self._lock:
+            variant = self._entries.get(key)
+            if variant is None or not variant.exact:
+                return None
+            self._entries.move_to_end(key)
+            return variant
+
+    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+        with self._lock:
+            contexts = self._by_segment.get((fingerprint, segment_id), {})
+            keys = [(fingerprint, segment_id, context) for context in contexts]
+            for key in keys:
+                self._entries.move_to_end(key)
+            return [self._entries[key] for key in reversed(keys)]
+
+    def _drop(self, key: tuple[str, str, str]) -> None:
+        variant = self._entries.pop(key, None)
+        if variant is None:
+            return
+        self.num_bytes -= variant.num_bytes
+        contexts = self._by_segment[key[:2]]
+        del contexts[key[2]]
+        if not contexts:
+            del self._by_segment[key[:2]]

@@ -1,0 +1,143 @@
+"""The engine's hard gate: every exact path reproduces full prefill (float32, tiny models).
+
+``cacheblend`` at ratio 1.0, ``prefix``, and ``reuse`` of a chunk in its
+original context must give the logits of a ``full`` prefill (max-abs < 1e-4);
+partial ratios must stay finite and count their tokens consistently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_lm
+
+from chunkcache.core.engine import ChunkEngine, PromptTooLongError, TokenSegment
+from chunkcache.core.generation import SamplingParams
+from chunkcache.core.kv_store import segment_key
+from chunkcache.core.models import LoadedModel
+
+TOLERANCE = 1e-4
+
+
+def text(ids: list[int]) -> TokenSegment:
+    return TokenSegment(segment_key(ids), tuple(ids), is_chunk=False)
+
+
+def chunk(name: str, ids: list[int]) -> TokenSegment:
+    return TokenSegment(name, tuple(ids), is_chunk=True)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = text(random_ids(9, 1))
+A, B, C = (chunk(name, random_ids(17, seed)) for seed, name in enumerate("abc", start=2))
+QUESTION = text(random_ids(7, 9))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def lm(request: pytest.FixtureRequest) -> LoadedModel:
+    return tiny_lm(request.param)
+
+
+def full_logits(lm: LoadedModel, segments: list[TokenSegment]) -> torch.Tensor:
+    return ChunkEngine(lm).prefill(segments, "full").logits
+
+
+def assert_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert (actual - expected).abs().max().item() < TOLERANCE
+
+
+def test_full_matches_hugging_face(lm: LoadedModel) -> None:
+    segments = [SYSTEM, A, B, QUESTION]
+    ids = torch.tensor([t for s in segments for t in s.ids])
+    expected = lm.hf(ids[None]).logits[0, -1].float()
+    assert_exact(full_logits(lm, segments), expected)
+
+
+def test_prefix_reuse_is_exact(lm: LoadedModel) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([SYSTEM, A, B, QUESTION], "full")
+    request = [SYSTEM, A, B, C, QUESTION]
+    out = engine.prefill(request, "prefix")
+    assert out.stats.reused_tokens == len(SYSTEM.ids) + len(A.ids) + len(B.ids)
+    assert_exact(out.logits, full_logits(lm, request))
+
+
+def test_reuse_in_the_original_context_is_exact(lm: LoadedModel) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([SYSTEM, A, B, QUESTION], "full")
+    other_question = text(random_ids(5, 11))
+    request = [SYSTEM, A, B, other_question]
+    out = engine.prefill(request, "reuse")
+    assert out.stats.chunk_hits == 2
+    assert_exact(out.logits, full_logits(lm, request))
+
+
+def test_cacheblend_at_ratio_one_equals_full_prefill(lm: LoadedModel) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([A, QUESTION], "full")
+    engine.prefill([B, QUESTION], "full")
+    request = [SYSTEM, B, A, QUESTION]  # both chunks cached, at other positions
+    out = engine.prefill(request, "cacheblend", ratio=1.0)
+    assert out.stats.recomputed_tokens == len(A.ids) + len(B.ids)
+    assert_exact(out.logits, full_logits(lm, request))
+
+
+@pytest.mark.parametrize("policy", ["reuse", "cacheblend"])
+def test_moved_chunks_are_reused_and_counted(lm: LoadedModel, policy: str) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([SYSTEM, A, QUESTION], "full")
+    engine.prefill([SYSTEM, B, QUESTION], "full")
+    request = [SYSTEM, B, A, C, QUESTION]
+    out = engine.prefill(request, policy, ratio=0.3)  # type: ignore[arg-type]
+    stats = out.stats
+    assert (stats.chunk_hits, stats.chunk_misses) == (2, 1)
+    total = stats.reused_tokens + stats.recomputed_tokens + stats.computed_tokens
+    assert total == stats.prompt_tokens
+    assert torch.isfinite(out.logits).all()
+    if policy == "reuse":
+        assert stats.recomputed_tokens == 0
+    else:
+        assert 0 < stats.recomputed_tokens < len(A.ids) + len(B.ids)
+
+
+def test_blended_kv_is_never_served_as_an_exact_prefix(lm: LoadedModel) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([SYSTEM, A, QUESTION], "full")
+    blended = [SYSTEM, B, A, C, QUESTION]
+    engine.prefill([SYSTEM, B, QUESTION], "full")
+    engine.prefill(blended, "cacheblend", ratio=0.2)
+    again = engine.prefill(blended, "prefix")
+    # SYSTEM and B were exact; A (moved) and C (after blended KV) must be recomputed.
+    assert again.stats.reused_tokens == len(SYSTEM.ids) + len(B.ids)
+    assert_exact(again.logits, full_logits(lm, blended))
+
+
+def test_conversation_turns_reuse_the_previous_sequence(lm: LoadedModel) -> None:
+    engine = ChunkEngine(lm)
+    turn1 = [SYSTEM, A, QUESTION]
+    first = engine.prefill(turn1, "prefix", conversation_id="c")
+    answer = list(engine.decode(first, SamplingParams(max_tokens=4)))
+    engine.remember("c", first)
+    turn2 = [*turn1, text(answer[:-1]), B, text(random_ids(6, 12))]
+    second = engine.prefill(turn2, "prefix", conversation_id="c")
+    assert second.stats.extra["prefix_tokens"] == len(first.ids)
+    assert_exact(second.logits, full_logits(lm, turn2))
+
+
+def test_prompt_over_the_context_window_is_refused(lm: LoadedModel) -> None:
+    too_long = text([5] * (lm.spec.max_positions + 1))
+    with pytest.raises(PromptTooLongError):
+        ChunkEngine(lm).prefill([too_long], "full")
+
+
+def test_greedy_decoding_matches_hugging_face_generate(lm: LoadedModel) -> None:
+    segments = [SYSTEM, A, QUESTION]
+    engine = ChunkEngine(lm)
+    prefilled = engine.prefill(segments, "full", reserve=6)
+    ours = list(engine.decode(prefilled, SamplingParams(max_tokens=6)))
+    ids = torch.tensor([[t for s in segments for t in s.ids]])
+    theirs = lm.hf.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert ours == theirs[0, ids.shape[1] :].tolist()
