@@ -38,10 +38,6 @@ class Rope:
     inv_freq: Tensor  # [D/2] float32
     attention_scaling: float = 1.0
 
-    @property
-    def head_dim(self) -> int:
-        return 2 * self.inv_freq.numel()
-
     def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Unscaled cos and sin of ``positions * inv_freq`` (angles in float64, then float32)."""
         # positions: [N] integer (may be negative: a rotation backwards)
