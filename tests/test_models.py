@@ -118,6 +118,7 @@ def test_default_model_pulls_loads_and_matches_hf() -> None:
     prompt = "Retrieved passage: the Eiffel Tower is in Paris. Question: where is it? " * 8
     for dtype, atol in ((torch.bfloat16, 0.75), (torch.float32, 1e-3)):
         lm = load_model(dtype=dtype, device="cpu")
+        assert lm.tokenizer is not None
         ids = torch.tensor(lm.tokenizer(prompt)["input_ids"])
         with torch.no_grad():
             ref = lm.hf(ids[None], logits_to_keep=1).logits[0, -1].float()
@@ -136,6 +137,7 @@ def test_the_gguf_file_itself_loads_and_equals_its_safetensors_copy() -> None:
     assert gguf is not None
     direct = load_model(gguf, dtype=torch.float32, device="cpu")
     assert direct.spec == copy.spec and direct.fingerprint != copy.fingerprint
+    assert copy.tokenizer is not None and direct.tokenizer is not None
     ids = torch.tensor(copy.tokenizer("Paris is the capital of")["input_ids"])
     assert direct.tokenizer("Paris is the capital of")["input_ids"] == ids.tolist()
     torch.testing.assert_close(prefill(direct, ids)[0], prefill(copy, ids)[0], atol=1e-5, rtol=0)
