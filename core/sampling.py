@@ -32,7 +32,15 @@ class StopChecker:
 
     def split(self, text: str) -> tuple[str, bool]:
         """``(text safe to emit, stopped)`` for the whole text generated so far."""
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = self._first_stop(text)
         if cut >= 0:
             return text[:cut], True
         return text[: len(text) - self._holdback] if self._holdback else text, False
+
+    def final(self, text: str) -> str:
+        """The whole answer once generation ended: cut at the first stop string, if any."""
+        cut = self._first_stop(text)
+        return text[:cut] if cut >= 0 else text
+
+    def _first_stop(self, text: str) -> int:
+        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)

@@ -1,0 +1,100 @@
+"""The in-process backend: the chunk-cache engine behind the :class:`Backend` contract."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.generation import GenerationChunk, GenerationRequest
+from chunkcache.core.kv_store import KVStore
+from chunkcache.core.models import LoadedModel, load_model
+from chunkcache.core.sampling import StopChecker
+from chunkcache.core.tokenization import SegmentTokenizer
+
+
+class LocalBackend:
+    """Runs requests on a :class:`ChunkEngine` in this process, one at a time."""
+
+    def __init__(self, engine: ChunkEngine) -> None:
+        if engine.lm.tokenizer is None:
+            raise ValueError("the local backend needs a model loaded with its tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.lm.tokenizer
+        self.segment_tokenizer = SegmentTokenizer(self.tokenizer)
+        self.eos_ids = _eos_ids(engine.lm)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def default(
+        cls,
+        model: str | Path | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        store: KVStore | None = None,
+    ) -> LocalBackend:
+        """A backend on ``model`` (default: SmolLM2-135M-Instruct, installed on first use)."""
+        return cls(ChunkEngine(load_model(model, dtype=dtype), store))
+
+    @property
+    def context_window(self) -> int:
+        return self.engine.lm.spec.max_positions
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The model's chat template applied to ``messages``, ready for the assistant."""
+        rendered = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return str(rendered)
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        started = time.perf_counter()
+        segments = self.segment_tokenizer(request.segments)
+        params = request.sampling
+        stop = StopChecker(params.stop)
+        with self._lock:
+            prefilled = self.engine.prefill(
+                segments,
+                request.policy,
+                request.recompute_ratio,
+                request.conversation_id,
+                reserve=params.max_tokens,
+            )
+            stats = prefilled.stats
+            generated: list[int] = []
+            emitted = ""
+            stats.finish_reason = "length"
+            for token in self.engine.decode(prefilled, params):
+                if not generated:
+                    stats.ttft_s = time.perf_counter() - started
+                if token in self.eos_ids:
+                    stats.finish_reason = "stop"
+                    break
+                generated.append(token)
+                text, stopped = stop.split(
+                    self.tokenizer.decode(generated, skip_special_tokens=True)
+                )
+                if stopped:
+                    stats.finish_reason = "stop"
+                if len(text) > len(emitted) and not text.endswith("\ufffd"):
+                    yield GenerationChunk(text[len(emitted) :])
+                    emitted = text
+                if stopped:
+                    break
+            if request.conversation_id is not None:
+                self.engine.remember(request.conversation_id, prefilled)
+        final = stop.final(self.tokenizer.decode(generated, skip_special_tokens=True))
+        stats.completion_tokens = len(generated)
+        stats.total_s = time.perf_counter() - started
+        yield GenerationChunk(final[len(emitted) :], stats)
+
+
+def _eos_ids(lm: LoadedModel) -> frozenset[int]:
+    """Token ids that end the assistant's turn: generation config and tokenizer EOS."""
+    configured = getattr(lm.hf.generation_config, "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    ids.append(getattr(lm.tokenizer, "eos_token_id", None))
+    return frozenset(i for i in ids if i is not None)

@@ -1,0 +1,55 @@
+"""The local backend on a tiny model: tokenization per segment, streaming, stop, stats."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_lm, tiny_tokenizer
+
+from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.local_backend import LocalBackend
+from chunkcache.core.models import LoadedModel
+from chunkcache.core.sampling import StopChecker
+from chunkcache.core.segmenter import ChunkSegment, TextSegment
+
+CHUNK = ChunkSegment("chunk-1", "the quick brown fox jumps over the lazy dog " * 3)
+
+
+@pytest.fixture(scope="module")
+def backend() -> LocalBackend:
+    lm = tiny_lm("llama")
+    lm_with_tokenizer = LoadedModel(lm.hf, tiny_tokenizer(), lm.spec, lm.rope, lm.fingerprint)
+    return LocalBackend(ChunkEngine(lm_with_tokenizer))
+
+
+def run(backend: LocalBackend, **kwargs: object) -> tuple[str, object]:
+    request = GenerationRequest(
+        [TextSegment("system: answer. "), CHUNK, TextSegment(" question?")],
+        sampling=SamplingParams(max_tokens=8),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    pieces = list(backend.stream(request))
+    assert all(piece.stats is None for piece in pieces[:-1])
+    return "".join(piece.text for piece in pieces), pieces[-1].stats
+
+
+def test_second_request_reuses_the_chunk(backend: LocalBackend) -> None:
+    _, first = run(backend, policy="full")
+    _, second = run(backend, policy="cacheblend")
+    assert first.chunk_misses == 1  # type: ignore[attr-defined]
+    assert second.reused_tokens > 0  # type: ignore[attr-defined]
+    assert second.completion_tokens > 0  # type: ignore[attr-defined]
+
+
+def test_policies_agree_on_an_exact_prefix(backend: LocalBackend) -> None:
+    full_text, _ = run(backend, policy="full")
+    prefix_text, stats = run(backend, policy="prefix")
+    assert prefix_text == full_text
+    assert stats.computed_tokens == 1  # type: ignore[attr-defined]
+
+
+def test_stop_checker_holds_back_a_possible_stop_prefix() -> None:
+    checker = StopChecker(("STOP",))
+    assert checker.split("abc ST") == ("abc", False)
+    assert checker.split("abc STOP more") == ("abc ", True)
+    assert checker.final("abc ST") == "abc ST"
