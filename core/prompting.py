@@ -1,0 +1,158 @@
+"""What the LangChain and LlamaIndex ``ChunkCacheLLM`` share: prompt in, text and stats out.
+
+Both wrappers render their framework's messages (or take a completion prompt as
+it is), turn the prompt into a :class:`GenerationRequest` with
+:func:`build_request` (the segmenter finds the chunks the retrievers registered,
+plus any the caller names), run it with :func:`run_stream` or :func:`generate`,
+and report the :class:`GenerationStats` in their framework's response metadata.
+
+Per-call options (keyword arguments of ``invoke``/``complete``/...) are
+:data:`CALL_OPTIONS`; anything else (tools, a response format, another model) is
+refused with a TypeError rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
+
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.generation import (
+    DEFAULT_POLICY,
+    DEFAULT_RECOMPUTE_RATIO,
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    check_policy,
+)
+from chunkcache.core.ledger import check_conversation_id
+from chunkcache.core.segmenter import segment_prompt
+
+T = TypeVar("T")
+
+DEFAULT_MODEL_NAME = "chunkcache"
+CALL_OPTIONS = frozenset(
+    {
+        "chunks",
+        "conversation_id",
+        "recompute",
+        "recompute_ratio",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+    }
+)
+
+
+def check_call_options(options: Mapping[str, Any]) -> None:
+    """Raise TypeError naming any keyword argument that is no per-call option."""
+    unknown = sorted(set(options) - CALL_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"ChunkCacheLLM got unsupported arguments {unknown} (tool calling, structured "
+            f"output and per-call model choice are not supported); per-call options are "
+            f"{sorted(CALL_OPTIONS)}"
+        )
+
+
+def build_request(
+    prompt: str,
+    cache: ChunkCache,
+    *,
+    chunks: Sequence[tuple[str, str]] | None = None,
+    conversation_id: str | None = None,
+    recompute: str = DEFAULT_POLICY,
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop: Sequence[str] | None = None,
+    seed: int | None = None,
+) -> GenerationRequest:
+    """The request for ``prompt``: its chunks found by exact text, and how to decode.
+
+    ``chunks`` are (chunk id, text) pairs the caller knows are in the prompt, in
+    addition to the texts registered in ``cache``.
+
+    >>> cache = ChunkCache()
+    >>> cache.registry.register("c1", "The quick brown fox jumps over the lazy dog.")
+    True
+    >>> request = build_request(
+    ...     "Context: The quick brown fox jumps over the lazy dog.\\nWho jumps?", cache
+    ... )
+    >>> [type(segment).__name__ for segment in request.segments]
+    ['TextSegment', 'ChunkSegment', 'TextSegment']
+    """
+    if isinstance(stop, str):
+        raise TypeError("stop must be a list of strings, not one str")
+    stops = tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop strings must be non-empty str, got {stops!r}")
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed
+    )
+    return GenerationRequest(
+        segments=segment_prompt(prompt, cache.matcher, chunks),
+        conversation_id=None if conversation_id is None else check_conversation_id(conversation_id),
+        policy=check_policy(recompute),
+        recompute_ratio=recompute_ratio,
+        sampling=sampling,
+    )
+
+
+def run_stream(backend: Backend, request: GenerationRequest) -> Iterator[GenerationChunk]:
+    """``backend.stream(request)``, checked: exactly the last piece carries the stats."""
+    stats: GenerationStats | None = None
+    for piece in backend.stream(request):
+        if stats is not None:
+            raise RuntimeError("the backend yielded text after its stats")
+        stats = piece.stats
+        yield piece
+    if stats is None:
+        raise RuntimeError("the backend's stream ended without stats")
+
+
+def generate(backend: Backend, request: GenerationRequest) -> tuple[str, GenerationStats]:
+    """Run ``request`` to the end: the whole text and the stats."""
+    texts = []
+    stats = None
+    for piece in run_stream(backend, request):
+        texts.append(piece.text)
+        stats = piece.stats
+    assert stats is not None  # run_stream raises otherwise
+    return "".join(texts), stats
+
+
+async def aiterate(items: Iterator[T]) -> AsyncGenerator[T, None]:
+    """Drive a blocking iterator from async code, one item at a time, in a worker thread.
+
+    Items arrive as the iterator produces them and the event loop keeps running.
+    When the consumer stops early (break, cancel), the iterator is closed in the
+    same worker thread, after the step in flight, so a generator's cleanup runs.
+    """
+    loop = asyncio.get_running_loop()
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkcache-stream")
+    done = object()
+    try:
+        while True:
+            item = await loop.run_in_executor(worker, next, items, done)
+            if item is done:
+                return
+            yield cast(T, item)
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            worker.submit(close)
+        worker.shutdown(wait=False)
+
+
+def backend_model_name(backend: Backend) -> str:
+    """The backend's ``model_name`` attribute if it has one, else ``"chunkcache"``."""
+    name = getattr(backend, "model_name", None)
+    return name if isinstance(name, str) and name else DEFAULT_MODEL_NAME
