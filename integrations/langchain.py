@@ -30,8 +30,9 @@ from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.core.retrieval import RetrievalPlan, conversation_id_from, plan_retrieval
+from chunkcache.integrations.langchain_llm import ChunkCacheLLM
 
-__all__ = ["ChunkCacheRetriever", "conversation_id_from_config"]
+__all__ = ["ChunkCacheLLM", "ChunkCacheRetriever", "conversation_id_from_config"]
 
 
 def conversation_id_from_config(config: RunnableConfig | None) -> str | None:

@@ -73,3 +73,23 @@ class FakeBackend:
                 stats.computed_tokens += words
         self._seen.update(s.chunk_id for s in request.segments if isinstance(s, ChunkSegment))
         return stats
+
+
+class GatedBackend(FakeBackend):
+    """Yields the first piece, then waits for ``gate`` before the rest; ``closed`` is set
+    when a stream ends or is closed.  Shows whether a wrapper streams incrementally."""
+
+    def __init__(self, answer: str = DEFAULT_ANSWER) -> None:
+        super().__init__(answer)
+        self.gate = threading.Event()
+        self.closed = threading.Event()
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        try:
+            pieces = super().stream(request)
+            yield next(pieces)
+            if not self.gate.wait(timeout=10):
+                raise TimeoutError("the gate was never opened")
+            yield from pieces
+        finally:
+            self.closed.set()

@@ -1,0 +1,328 @@
+"""LangChain's ``ChunkCacheLLM``: a chat model that reuses the KV cache of retrieved chunks.
+
+Put it where any chat model goes and build the prompt any way you like: the
+messages are rendered with the backend's chat template, and the chunks a
+:class:`~chunkcache.integrations.langchain.ChunkCacheRetriever` returned are found
+in the rendered prompt by exact text, wherever the template put them.
+
+>>> llm = ChunkCacheLLM(max_tokens=64)  # doctest: +SKIP
+>>> answer = (prompt | llm).invoke(  # doctest: +SKIP
+...     {"question": q, "context": docs}, config={"configurable": {"session_id": "user-42"}}
+... )
+>>> answer.usage_metadata["input_token_details"]["cache_read"]  # doctest: +SKIP
+>>> answer.response_metadata["chunkcache"]["chunk_hits"]  # doctest: +SKIP
+
+``cache_read`` counts the prompt tokens served from cache; ``response_metadata
+["chunkcache"]`` holds the backend's :class:`~chunkcache.core.generation.GenerationStats`.
+
+Chunks the registry does not hold (another process retrieved them, or they were
+evicted) can be named per call: ``llm.invoke(messages, chunks=docs)`` takes
+Documents (id: ``metadata["chunk_id"]``, else the content hash, as the retriever
+computes it) or (chunk id, text) pairs.  Other per-call options: ``recompute``,
+``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    UsageMetadata,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import RunnableConfig, ensure_config
+from pydantic import ConfigDict, Field, model_validator
+
+from chunkcache.core.cache import ChunkCache, default_cache
+from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.generation import (
+    DEFAULT_POLICY,
+    DEFAULT_RECOMPUTE_RATIO,
+    GenerationChunk,
+    GenerationRequest,
+    GenerationStats,
+    Policy,
+)
+from chunkcache.core.prompting import (
+    aiterate,
+    backend_model_name,
+    build_request,
+    check_call_options,
+    generate,
+    run_stream,
+)
+from chunkcache.core.retrieval import conversation_id_from
+
+__all__ = ["ChunkCacheLLM"]
+
+
+class ChunkCacheLLM(BaseChatModel):
+    """A chat model on a chunkcache backend (the local engine unless the cache has another).
+
+    Args:
+        chunk_cache: shared chunk state and backend; the process-wide default when
+            omitted, so retrievers and this model cooperate unwired.  ``cache=`` is
+            accepted for it too when given a :class:`ChunkCache`, as on the
+            retrievers; LangChain's ``cache`` (response cache: bool or BaseCache)
+            keeps its meaning.
+        recompute: the recompute policy (``"cacheblend"``, ``"cachecraft"``,
+            ``"reuse"``, ``"prefix"`` or ``"full"``).
+        recompute_ratio: share of reused chunk tokens recomputed (CacheBlend).
+        max_tokens, temperature, top_p, stop, seed: decoding; ``temperature=0`` is greedy.
+
+    The conversation id is read from ``config["configurable"]`` (``conversation_id``,
+    ``session_id`` or ``thread_id``), as :class:`ChunkCacheRetriever` reads it, or
+    from a ``conversation_id=`` keyword.  Tool calling and structured output are not
+    supported: the default model does not do them.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    chunk_cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
+    recompute: Policy = DEFAULT_POLICY
+    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stop: list[str] | None = None
+    seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chunk_cache_given_as_cache(cls, values: Any) -> Any:
+        if isinstance(values, dict) and isinstance(values.get("cache"), ChunkCache):
+            if "chunk_cache" in values:
+                raise ValueError("give the ChunkCache once, as cache= or as chunk_cache=")
+            values = {**values, "chunk_cache": values["cache"]}
+            del values["cache"]
+        return values
+
+    @property
+    def _llm_type(self) -> str:
+        return "chunkcache"
+
+    @property
+    def model_name(self) -> str:
+        """The backend's model name (creating the backend if needed)."""
+        return backend_model_name(self.chunk_cache.backend)
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, **self._options()}
+
+    def _options(self) -> dict[str, Any]:
+        """The constructor's generation options, which per-call keywords override."""
+        return {
+            "recompute": self.recompute,
+            "recompute_ratio": self.recompute_ratio,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
+        params["ls_provider"] = "chunkcache"
+        return params
+
+    # The conversation id lives in the caller's config, which langchain-core does
+    # not pass to _generate/_stream: read it at every public entry point.
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        return super().invoke(input, config, stop=stop, **_with_conversation(config, kwargs))
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        kwargs = _with_conversation(config, kwargs)
+        return await super().ainvoke(input, config, stop=stop, **kwargs)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        return super().stream(input, config, stop=stop, **_with_conversation(config, kwargs))
+
+    def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        return super().astream(input, config, stop=stop, **_with_conversation(config, kwargs))
+
+    def stream_events(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        return super().stream_events(input, config, **_with_conversation(config, kwargs))
+
+    def astream_events(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        return super().astream_events(input, config, **_with_conversation(config, kwargs))
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        text, stats = generate(self.chunk_cache.backend, self._request(messages, stop, kwargs))
+        message = AIMessage(
+            content=text,
+            usage_metadata=_usage(stats),
+            response_metadata=self._response_metadata(stats),
+        )
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        for piece in run_stream(self.chunk_cache.backend, request):
+            yield self._chunk(piece)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        # The blocking stream (chat template, segmenting, decoding) runs in a worker
+        # thread, one piece at a time.
+        async for chunk in aiterate(self._stream(messages, stop, **kwargs)):
+            yield chunk
+
+    def _request(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> GenerationRequest:
+        check_call_options(kwargs)
+        options = {**self._options(), **kwargs, "chunks": self._chunk_pairs(kwargs.get("chunks"))}
+        if stop is not None:
+            options["stop"] = stop
+        prompt = self.chunk_cache.backend.render_chat(_chat_messages(messages))
+        return build_request(prompt, self.chunk_cache, **options)
+
+    def _chunk_pairs(
+        self, chunks: Sequence[Document | tuple[str, str]] | None
+    ) -> list[tuple[str, str]] | None:
+        if chunks is None:
+            return None
+        if isinstance(chunks, str | Document):
+            raise TypeError("chunks must be a list of Documents or (chunk id, text) pairs")
+        return [
+            (chunk_id_for(c.page_content, c.metadata, self.chunk_cache.namespace), c.page_content)
+            if isinstance(c, Document)
+            else c
+            for c in chunks
+        ]
+
+    def _chunk(self, piece: GenerationChunk) -> ChatGenerationChunk:
+        if piece.stats is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+        message = AIMessageChunk(
+            content=piece.text,
+            usage_metadata=_usage(piece.stats),
+            response_metadata=self._response_metadata(piece.stats),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message)
+
+    def _response_metadata(self, stats: GenerationStats) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "finish_reason": stats.finish_reason,
+            "chunkcache": stats.as_dict(),
+        }
+
+
+def _with_conversation(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` plus the config's conversation id, unless one was passed explicitly."""
+    conversation_id = conversation_id_from(ensure_config(config).get("configurable"))
+    if conversation_id is None or "conversation_id" in kwargs:
+        return kwargs
+    return {**kwargs, "conversation_id": conversation_id}
+
+
+def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """``role``/``content`` dicts for the chat template; text content only."""
+    return [{"role": _role(m), "content": _text(m)} for m in messages]
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage) and not message.tool_calls:
+        return "assistant"
+    if isinstance(message, ChatMessage) and message.role in ("system", "user", "assistant"):
+        return message.role
+    raise ValueError(
+        f"ChunkCacheLLM cannot send a {message.type!r} message"
+        f"{' with tool calls' if isinstance(message, AIMessage) else ''}: "
+        "it supports system, user and assistant text messages (no tool calling)"
+    )
+
+
+def _text(message: BaseMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for block in message.content:
+        if isinstance(block, str):
+            texts.append(block)
+        elif block.get("type") == "text":
+            texts.append(block["text"])
+        else:
+            raise ValueError(
+                f"ChunkCacheLLM takes text only, got a {block.get('type')!r} content block"
+            )
+    return "".join(texts)
+
+
+def _usage(stats: GenerationStats) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=stats.prompt_tokens,
+        output_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        input_token_details={"cache_read": stats.reused_tokens},
+    )
