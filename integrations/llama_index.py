@@ -46,8 +46,9 @@ from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode, check_conversation_id, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering
 from chunkcache.core.retrieval import plan_retrieval
+from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
-__all__ = ["ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
+__all__ = ["ChunkCacheLLM", "ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
 
 
 def plan_nodes(

@@ -1,0 +1,273 @@
+"""LlamaIndex's ``ChunkCacheLLM``: an LLM that reuses the KV cache of retrieved chunks.
+
+The chunks a :class:`~chunkcache.integrations.llama_index.ChunkCacheRetriever`
+returned are found in the prompt by exact text, whatever template built it.
+``chat``/``stream_chat`` render the messages with the backend's chat template;
+``complete``/``stream_complete`` send the prompt as it is (after
+``completion_to_prompt`` unless ``formatted=True``): a completion, no chat template.
+
+>>> llm = ChunkCacheLLM(max_tokens=64).for_conversation("user-42")  # doctest: +SKIP
+>>> response = llm.chat([ChatMessage(role="user", content=prompt_with_chunks)])  # doctest: +SKIP
+>>> response.additional_kwargs["chunkcache"]["reused_tokens"]  # doctest: +SKIP
+
+Every final response carries the backend's
+:class:`~chunkcache.core.generation.GenerationStats` as ``additional_kwargs["chunkcache"]``
+and in ``raw`` (with an OpenAI-style ``raw["usage"]``, which LlamaIndex's token
+counter reads); in a stream, the last response does.
+
+With :class:`~chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine`, bind
+the LLM to the engine's conversation (the engine does not pass its id to the LLM)::
+
+    engine = ChunkCacheChatEngine.from_defaults(
+        retriever, llm=ChunkCacheLLM().for_conversation("user-42"), conversation_id="user-42"
+    )
+
+Per-call keywords: ``chunks`` (nodes, or (chunk id, text) pairs, for chunks the
+registry does not hold), ``conversation_id``, ``recompute``, ``recompute_ratio``,
+``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
+
+from chunkcache.core.cache import ChunkCache, default_cache
+from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.generation import (
+    DEFAULT_POLICY,
+    DEFAULT_RECOMPUTE_RATIO,
+    GenerationRequest,
+    GenerationStats,
+    Policy,
+)
+from chunkcache.core.ledger import check_conversation_id
+from chunkcache.core.prompting import (
+    aiterate,
+    backend_model_name,
+    build_request,
+    check_call_options,
+    generate,
+    run_stream,
+)
+
+__all__ = ["ChunkCacheLLM"]
+
+_ROLES = {
+    MessageRole.SYSTEM: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+}
+
+ChunkLike = BaseNode | NodeWithScore | tuple[str, str]
+
+
+class ChunkCacheLLM(LLM):
+    """An LLM on a chunkcache backend (the local engine unless the cache has another).
+
+    ``cache`` is shared chunk state and backend (the process-wide default when
+    omitted); ``recompute`` and ``recompute_ratio`` choose the recompute policy;
+    ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``stop`` and ``seed``
+    decode.  ``metadata.context_window`` is the backend's ``context_window`` if it
+    has one, else LlamaIndex's default (3900 tokens).
+    """
+
+    cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
+    recompute: Policy = DEFAULT_POLICY
+    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    conversation_id: str | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _default_cache(cls, value: ChunkCache | None) -> ChunkCache:
+        return default_cache() if value is None else value
+
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _check_conversation_id(cls, value: object) -> str | None:
+        return None if value is None else check_conversation_id(value)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ChunkCacheLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        backend = self.cache.backend
+        window = getattr(backend, "context_window", None)
+        return LLMMetadata(
+            context_window=window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW,
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            model_name=backend_model_name(backend),
+        )
+
+    def for_conversation(self, conversation_id: str) -> ChunkCacheLLM:
+        """A copy bound to ``conversation_id``, sharing this LLM's cache."""
+        return self.model_copy(update={"conversation_id": check_conversation_id(conversation_id)})
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(self._completion_prompt(prompt, formatted), kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        return self._stream(self._completion_prompt(prompt, formatted), kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat(messages, kwargs)
+
+    # Async variants run the blocking work in a worker thread; streams go piece by piece.
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        prompt = self._completion_prompt(prompt, formatted)
+        return await asyncio.to_thread(self._complete, prompt, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return aiterate(self._stream(self._completion_prompt(prompt, formatted), kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self._chat, messages, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        return aiterate(self._stream_chat(messages, kwargs))
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        return _as_chat(self._complete(self._chat_prompt(messages), kwargs))
+
+    def _stream_chat(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> ChatResponseGen:
+        for response in self._stream(self._chat_prompt(messages), kwargs):
+            yield _as_chat(response)
+
+    def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
+        text, stats = generate(self.cache.backend, self._request(prompt, kwargs))
+        return _completion(text, None, stats)
+
+    def _stream(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        text = ""
+        for piece in run_stream(self.cache.backend, self._request(prompt, kwargs)):
+            text += piece.text
+            yield _completion(text, piece.text, piece.stats)
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
+        if formatted or self.completion_to_prompt is None:
+            return prompt
+        return self.completion_to_prompt(prompt)
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        return self.cache.backend.render_chat([_chat_message(m) for m in messages])
+
+    def _request(self, prompt: str, kwargs: dict[str, Any]) -> GenerationRequest:
+        check_call_options(kwargs)
+        options = {
+            "conversation_id": self.conversation_id,
+            "recompute": self.recompute,
+            "recompute_ratio": self.recompute_ratio,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            **kwargs,
+            "chunks": _chunk_pairs(kwargs.get("chunks"), self.cache.namespace),
+        }
+        return build_request(prompt, self.cache, **options)
+
+
+def _chat_message(message: ChatMessage) -> dict[str, str]:
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise ValueError(
+            f"ChunkCacheLLM cannot send a {message.role.value!r} message: it supports "
+            "system, user and assistant text messages (no tool calling)"
+        )
+    for block in message.blocks:
+        if not isinstance(block, TextBlock):
+            raise ValueError(f"ChunkCacheLLM takes text only, got a {block.block_type!r} block")
+    return {"role": role, "content": message.content or ""}
+
+
+def _chunk_pairs(
+    chunks: Sequence[ChunkLike] | None, namespace: str
+) -> list[tuple[str, str]] | None:
+    if chunks is None:
+        return None
+    if isinstance(chunks, str | BaseNode | NodeWithScore):
+        raise TypeError("chunks must be a list of nodes or (chunk id, text) pairs")
+    pairs = []
+    for chunk in chunks:
+        node = chunk.node if isinstance(chunk, NodeWithScore) else chunk
+        if isinstance(node, BaseNode):
+            text = node.get_content(metadata_mode=MetadataMode.NONE)
+            pairs.append((chunk_id_for(text, node.metadata, namespace), text))
+        else:
+            pairs.append(node)
+    return pairs
+
+
+def _completion(text: str, delta: str | None, stats: GenerationStats | None) -> CompletionResponse:
+    if stats is None:
+        return CompletionResponse(text=text, delta=delta)
+    info = stats.as_dict()
+    usage = {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+    return CompletionResponse(
+        text=text,
+        delta=delta,
+        raw={"usage": usage, "chunkcache": info},
+        additional_kwargs={"chunkcache": info},
+    )
+
+
+def _as_chat(response: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        delta=response.delta,
+        raw=response.raw,
+        additional_kwargs=response.additional_kwargs,
+    )
