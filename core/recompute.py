@@ -1,18 +1,27 @@
-"""Selective recompute over a merged KV (CacheBlend §4.2-4.3).
+"""Selective recompute over a merged KV: one layer loop, two ways to choose the rows.
 
-The rows to run are the tokens with no cached KV (always computed) and the
-tokens whose KV was reused from a chunk variant.  Every row runs the check
-layers; after each check layer only the reused rows whose values moved most
-(highest V deviation, HKVD tokens) stay, gradually filtered down to the
-recompute ratio; the other reused rows keep their cached KV from then on.
-Choosing by V deviation, and a true causal mask for the recomputed rows, were
-both measured on this project's default model (DESIGN: facts checked).
+The rows to run are the tokens with no cached KV (always computed) and some of
+the tokens whose KV was reused from a chunk variant; a reused row left out keeps
+its cached KV.  :func:`run_rows` is the layer loop; a :class:`RowSchedule` runs
+the first layers itself, where it may read attention and drop reused rows, and
+the loop runs the rest plainly.
+
+- :func:`recompute` (CacheBlend §4.2-4.3): every reused row runs the check
+  layers; after each check layer only the reused rows whose values moved most
+  (highest V deviation, HKVD tokens) stay, gradually filtered down to the
+  recompute ratio.  Choosing by V deviation, and a true causal mask for the
+  recomputed rows, were both measured on this project's default model (DESIGN:
+  facts checked).
+- :func:`recompute_rows` (Cache-Craft §3.2): the caller chooses the reused rows
+  up front; an optional schedule reads attention and may drop rows
+  (:mod:`chunkcache.core.craft_probe`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,7 +29,7 @@ from torch import Tensor
 from chunkcache.core.model_forward import embed, run_layers
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
-from chunkcache.kernels.layer import Rows, layer_step
+from chunkcache.kernels.layer import Rows, layer_step, layer_step_probed
 
 # Share of the reused rows kept after each check layer, as multiples of the target
 # ratio r: a little above r after the first check, r after the second (§4.3).
@@ -36,6 +45,120 @@ class RecomputeResult:
     token_layers: int  # rows x layers actually run
 
 
+@dataclass
+class RowSet:
+    """The rows still running: their slots, which of them hold reused KV, their hidden states."""
+
+    slots: Tensor  # [M] long, increasing
+    is_reused: Tensor  # [M] bool
+    x: Tensor  # [M, E], entering the next layer
+    rows: Rows
+
+    def keep(self, index: Tensor) -> None:
+        """Keep only the rows at ``index`` (increasing indices into these rows)."""
+        # index: [M'] long
+        self.slots, self.is_reused = self.slots[index], self.is_reused[index]
+        self.x, self.rows = self.x[index], self.rows.subset(index)
+
+    def keep_reused(self, reused: Tensor) -> None:
+        """Keep every computed row and the reused rows whose slot is in ``reused``."""
+        # reused: [R'] long slots
+        stay = ~self.is_reused | torch.isin(self.slots, reused)  # stay: [M] bool
+        self.keep(stay.nonzero().squeeze(1))
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """One decoder layer with its slice of the merged KV, ready to advance a :class:`RowSet`."""
+
+    module: Any
+    k: Tensor  # [H_kv, S, D] view into the merged KV
+    v: Tensor  # [H_kv, S, D]
+
+    def run(self, rows: RowSet) -> None:
+        """Advance ``rows.x`` through the layer (writing the rows' K/V)."""
+        rows.x = layer_step(self.module, rows.x, rows.rows, self.k, self.v)
+
+    def run_probed(self, rows: RowSet, probe: Tensor) -> Tensor:
+        """:meth:`run`, returning the attention probabilities of the rows at ``probe``."""
+        # probe: [P] long indices into rows -> [P, S] float32, averaged over heads
+        rows.x, probs = layer_step_probed(self.module, rows.x, rows.rows, self.k, self.v, probe)
+        return probs
+
+
+class RowSchedule(Protocol):
+    """Runs the first layers of a recompute, choosing which reused rows go on."""
+
+    def done(self, layer: int) -> bool:
+        """True once every layer from ``layer`` on runs the remaining rows plainly."""
+        ...
+
+    def step(self, layer: int, rows: RowSet, run: LayerRun) -> None:
+        """Run ``layer`` for ``rows`` (through ``run``), then drop rows from ``rows``."""
+        ...
+
+
+class _Plain:
+    """No schedule: every row runs every layer."""
+
+    def done(self, layer: int) -> bool:
+        return True
+
+    def step(self, layer: int, rows: RowSet, run: LayerRun) -> None:
+        run.run(rows)
+
+
+@torch.no_grad()
+def run_rows(
+    lm: LoadedModel,
+    kv: SeqKV,
+    ids: Tensor,
+    computed: Tensor,
+    reused: Tensor,
+    schedule: RowSchedule | None = None,
+) -> RecomputeResult:
+    """Run the rows ``computed`` and ``reused`` through every layer, as ``schedule`` says.
+
+    ``computed`` must hold the last slot, whose hidden state gives the next-token logits.
+    """
+    # ids: [S] long (all slots); computed, reused: [C], [R] long slot indices, disjoint
+    schedule = schedule if schedule is not None else _Plain()
+    slots, order = torch.cat((computed, reused)).sort()  # slots: [M]
+    rows = RowSet(
+        slots,
+        order >= computed.numel(),
+        embed(lm, ids[slots]),
+        Rows.build(slots, kv.length, lm.rope),
+    )
+    num_layers, layer, token_layers = lm.spec.num_layers, 0, 0
+    while layer < num_layers and not schedule.done(layer):
+        token_layers += rows.slots.numel()
+        schedule.step(layer, rows, LayerRun(lm.decoder.layers[layer], *kv.layer(layer)))
+        layer += 1
+    rows.x = run_layers(lm, rows.x, rows.rows, kv, range(layer, num_layers))  # x: [M', E]
+    token_layers += rows.slots.numel() * (num_layers - layer)
+    return RecomputeResult(rows.x[-1], int(rows.is_reused.sum()), token_layers)
+
+
+class GradualFilter:
+    """CacheBlend's schedule: keep the reused rows of highest V deviation (§4.2-4.3)."""
+
+    def __init__(self, ratio: float, num_reused: int, num_layers: int) -> None:
+        self.ratio, self.num_reused = ratio, num_reused
+        self.checks = min(len(GRADUAL_FILTER), num_layers)
+
+    def done(self, layer: int) -> bool:
+        return layer >= self.checks
+
+    def step(self, layer: int, rows: RowSet, run: LayerRun) -> None:
+        reused_slots = rows.slots[rows.is_reused]  # [R']
+        cached_v = run.v[:, reused_slots].float()  # cached_v: [H_kv, R', D]
+        run.run(rows)
+        deviation = (run.v[:, reused_slots].float() - cached_v).norm(dim=(0, 2))  # [R']
+        keep = math.ceil(min(1.0, GRADUAL_FILTER[layer] * self.ratio) * self.num_reused)
+        rows.keep_reused(reused_slots[deviation.topk(min(keep, reused_slots.numel())).indices])
+
+
 @torch.no_grad()
 def recompute(
     lm: LoadedModel, kv: SeqKV, ids: Tensor, computed: Tensor, reused: Tensor, ratio: float
@@ -46,32 +169,27 @@ def recompute(
     on every layer, which equals a full prefill.  ``computed`` must hold the last
     slot, whose hidden state gives the next-token logits.
     """
-    # ids: [S] long (all slots); computed, reused: [C], [R] long slot indices, disjoint
-    num_layers = lm.spec.num_layers
-    keep_reused = reused.numel() if ratio >= 1 else 0
-    partial = 0 < ratio < 1 and reused.numel() > 0
-    checks = min(len(GRADUAL_FILTER), num_layers) if partial else 0
-    slots = computed if checks == 0 and keep_reused == 0 else torch.cat((computed, reused))
-    slots, order = slots.sort()  # slots: [M]
-    is_reused = (order >= computed.numel()) if slots.numel() > computed.numel() else None
-    rows = Rows.build(slots, kv.length, lm.rope)
-    x = embed(lm, ids[slots])  # x: [M, E]
-    token_layers = 0
-    for layer in range(checks):
-        k, v = kv.layer(layer)
-        assert is_reused is not None
-        reused_slots = slots[is_reused]  # [R']
-        cached_v = v[:, reused_slots].float()  # cached_v: [H_kv, R', D]
-        x = layer_step(lm.decoder.layers[layer], x, rows, k, v)
-        token_layers += slots.numel()
-        deviation = (v[:, reused_slots].float() - cached_v).norm(dim=(0, 2))  # [R']
-        keep = math.ceil(min(1.0, GRADUAL_FILTER[layer] * ratio) * reused.numel())
-        chosen = reused_slots[deviation.topk(min(keep, reused_slots.numel())).indices]
-        stay = ~is_reused | torch.isin(slots, chosen)  # stay: [M] bool
-        keep_rows = stay.nonzero().squeeze(1)  # [M']
-        slots, is_reused, x = slots[keep_rows], is_reused[keep_rows], x[keep_rows]
-        rows = rows.subset(keep_rows)
-    x = run_layers(lm, x, rows, kv, range(checks, num_layers))  # x: [M', E]
-    token_layers += slots.numel() * (num_layers - checks)
-    recomputed = int(is_reused.sum()) if is_reused is not None else 0
-    return RecomputeResult(x[-1], recomputed, token_layers)
+    if ratio <= 0 or reused.numel() == 0:
+        return run_rows(lm, kv, ids, computed, reused[:0])
+    if ratio >= 1:
+        return run_rows(lm, kv, ids, computed, reused)
+    schedule = GradualFilter(ratio, reused.numel(), lm.spec.num_layers)
+    return run_rows(lm, kv, ids, computed, reused, schedule)
+
+
+@torch.no_grad()
+def recompute_rows(
+    lm: LoadedModel,
+    kv: SeqKV,
+    ids: Tensor,
+    computed: Tensor,
+    chosen: Tensor,
+    schedule: RowSchedule | None = None,
+) -> RecomputeResult:
+    """Run the rows ``computed`` and recompute the reused rows ``chosen`` (Cache-Craft §3.2).
+
+    Every other reused slot keeps its cached KV.  ``schedule`` (e.g. Algorithm 1's
+    focused chunks) may read attention and drop chosen rows on the way.
+    """
+    # computed, chosen: [C], [N] long slot indices, disjoint
+    return run_rows(lm, kv, ids, computed, chosen, schedule)

@@ -8,6 +8,7 @@ vLLM patch, which lets a row see keys after it.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -37,3 +38,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         enable_gqa=True,
     )  # out: [1, H, N, D]
     return out[0].transpose(0, 1).flatten(1)  # -> [N, H * D]
+
+
+def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float, block: int = 256) -> Tensor:
+    """The softmax attention probabilities of ``q``'s rows over all keys, averaged over heads.
+
+    The explicit form of what :func:`attention` computes inside SDPA, for the few rows whose
+    attention the caller wants to read (Cache-Craft §3.1); float32, ``block`` rows at a time
+    so the ``[H, block, S]`` scores stay small.
+    """
+    # q: [H, P, D]; k: [H_kv, S, D]; mask: [P, S] bool
+    groups = q.shape[0] // k.shape[0]
+    k = k.float().repeat_interleave(groups, dim=0)  # k: [H, S, D], as enable_gqa shares heads
+    out = []
+    for i in range(0, q.shape[1], block):
+        scores = (q[:, i : i + block].float() @ k.transpose(1, 2)) * scale  # [H, b, S]
+        scores.masked_fill_(~mask[i : i + block], float("-inf"))
+        out.append(scores.softmax(dim=-1).mean(dim=0))  # [b, S]
+    return torch.cat(out) if out else q.new_zeros(0, k.shape[1], dtype=torch.float32)  # [P, S]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from chunkcache.kernels.attention import attention, causal_mask
+from chunkcache.kernels.attention import attention, attention_probs, causal_mask
 from chunkcache.kernels.rope import Rope, apply_rope
 
 
@@ -45,6 +45,13 @@ class Rows:
     def num_slots(self) -> int:
         return self.index.numel() if self.mask is None else self.mask.shape[1]
 
+    def probe_mask(self, probe: Tensor) -> Tensor:
+        """The causal mask of the rows at ``probe`` (indices into these rows)."""
+        # probe: [P] long -> [P, S] bool
+        if self.mask is not None:
+            return self.mask[probe]
+        return causal_mask(self.index[probe], torch.arange(self.num_slots, device=probe.device))
+
     def subset(self, keep: Tensor) -> Rows:
         """The rows at ``keep`` (increasing indices into these rows), e.g. after a filter step."""
         # keep: [M] long
@@ -60,7 +67,29 @@ def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tenso
     ``k`` and ``v`` in place at ``rows.index``; every other slot is reused as it is. Returns the
     rows' output hidden states (attention and MLP, each with its residual).
     """
-    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV)
+    return _step(layer, x, rows, k, v, None)[0]
+
+
+def layer_step_probed(
+    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`layer_step`, plus the attention probabilities of the rows at ``probe``.
+
+    ``probe`` indexes ``rows``; the probabilities are over all ``S`` slots of the merged
+    sequence, averaged over heads, float32 (Cache-Craft §3.1 reads inter/intra attention
+    from them). The hidden states are those of :func:`layer_step`: the probabilities are an
+    extra product, so the normal path pays nothing for them.
+    """
+    # probe: [P] long -> ([N, E], [P, S])
+    x, probs = _step(layer, x, rows, k, v, probe)
+    assert probs is not None
+    return x, probs
+
+
+def _step(
+    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV); probe: [P] long or None
     attn = layer.self_attn
     n, head_dim = x.shape[0], attn.head_dim
     h = layer.input_layernorm(x)  # h: [N, E]
@@ -70,5 +99,9 @@ def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tenso
     q = apply_rope(q, rows.cos, rows.sin)
     k.index_copy_(1, rows.index, apply_rope(k_rows, rows.cos, rows.sin))
     v.index_copy_(1, rows.index, v_rows)
+    probs = None
+    if probe is not None:
+        mask = rows.probe_mask(probe)  # mask: [P, S]
+        probs = attention_probs(q[:, probe], k, mask, attn.scaling)  # probs: [P, S]
     x = x + attn.o_proj(attention(q, k, v, rows.mask, attn.scaling))  # x: [N, E]
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), probs
