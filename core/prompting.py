@@ -7,8 +7,8 @@ plus any the caller names), run it with :func:`run_stream` or :func:`generate`,
 and report the :class:`GenerationStats` in their framework's response metadata.
 
 Per-call options (keyword arguments of ``invoke``/``complete``/...) are
-:data:`CALL_OPTIONS`; anything else (tools, a response format, another model) is
-refused with a TypeError rather than silently ignored.
+:data:`CALL_OPTIONS` (see :func:`call_options`); anything else (tools, a response
+format, another model) is refused with a TypeError rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -35,30 +35,24 @@ from chunkcache.core.segmenter import segment_prompt
 T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "chunkcache"
-CALL_OPTIONS = frozenset(
-    {
-        "chunks",
-        "conversation_id",
-        "recompute",
-        "recompute_ratio",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "stop",
-        "seed",
-    }
-)
+# A wrapper's constructor settings, each also a per-call option of the same name.
+SETTINGS = ("recompute", "recompute_ratio", "max_tokens", "temperature", "top_p", "stop", "seed")
+CALL_OPTIONS = frozenset({*SETTINGS, "chunks", "conversation_id"})
 
 
-def check_call_options(options: Mapping[str, Any]) -> None:
-    """Raise TypeError naming any keyword argument that is no per-call option."""
-    unknown = sorted(set(options) - CALL_OPTIONS)
+def call_options(wrapper: object, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``wrapper``'s :data:`SETTINGS` overridden by a call's keyword arguments.
+
+    Raises TypeError naming any keyword argument that is not in :data:`CALL_OPTIONS`.
+    """
+    unknown = sorted(set(kwargs) - CALL_OPTIONS)
     if unknown:
         raise TypeError(
             f"ChunkCacheLLM got unsupported arguments {unknown} (tool calling, structured "
             f"output and per-call model choice are not supported); per-call options are "
             f"{sorted(CALL_OPTIONS)}"
         )
+    return {**{name: getattr(wrapper, name) for name in SETTINGS}, **kwargs}
 
 
 def build_request(

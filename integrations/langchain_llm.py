@@ -33,6 +33,7 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models.chat_models import generate_from_stream
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -42,9 +43,9 @@ from langchain_core.messages import (
     SystemMessage,
     UsageMetadata,
 )
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, ensure_config
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
@@ -57,11 +58,11 @@ from chunkcache.core.generation import (
     Policy,
 )
 from chunkcache.core.prompting import (
+    SETTINGS,
     aiterate,
     backend_model_name,
     build_request,
-    check_call_options,
-    generate,
+    call_options,
     run_stream,
 )
 from chunkcache.core.retrieval import conversation_id_from
@@ -88,8 +89,6 @@ class ChunkCacheLLM(BaseChatModel):
     from a ``conversation_id=`` keyword.  Tool calling and structured output are not
     supported: the default model does not do them.
     """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     chunk_cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
     recompute: Policy = DEFAULT_POLICY
@@ -121,19 +120,7 @@ class ChunkCacheLLM(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, **self._options()}
-
-    def _options(self) -> dict[str, Any]:
-        """The constructor's generation options, which per-call keywords override."""
-        return {
-            "recompute": self.recompute,
-            "recompute_ratio": self.recompute_ratio,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stop": self.stop,
-            "seed": self.seed,
-        }
+        return {"model_name": self.model_name, **{name: getattr(self, name) for name in SETTINGS}}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
@@ -150,7 +137,8 @@ class ChunkCacheLLM(BaseChatModel):
         stop: list[str] | None = None,
         **kwargs: Any,
     ) -> AIMessage:
-        return super().invoke(input, config, stop=stop, **_with_conversation(config, kwargs))
+        kwargs = _with_conversation(config, kwargs)
+        return super().invoke(input, config, stop=stop, **kwargs)
 
     async def ainvoke(
         self,
@@ -171,7 +159,8 @@ class ChunkCacheLLM(BaseChatModel):
         stop: list[str] | None = None,
         **kwargs: Any,
     ) -> Iterator[AIMessageChunk]:
-        return super().stream(input, config, stop=stop, **_with_conversation(config, kwargs))
+        kwargs = _with_conversation(config, kwargs)
+        return super().stream(input, config, stop=stop, **kwargs)
 
     def astream(
         self,
@@ -181,7 +170,8 @@ class ChunkCacheLLM(BaseChatModel):
         stop: list[str] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[AIMessageChunk]:
-        return super().astream(input, config, stop=stop, **_with_conversation(config, kwargs))
+        kwargs = _with_conversation(config, kwargs)
+        return super().astream(input, config, stop=stop, **kwargs)
 
     def stream_events(
         self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any
@@ -200,13 +190,7 @@ class ChunkCacheLLM(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        text, stats = generate(self.chunk_cache.backend, self._request(messages, stop, kwargs))
-        message = AIMessage(
-            content=text,
-            usage_metadata=_usage(stats),
-            response_metadata=self._response_metadata(stats),
-        )
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return generate_from_stream(self._stream(messages, stop, **kwargs))
 
     def _stream(
         self,
@@ -234,8 +218,8 @@ class ChunkCacheLLM(BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> GenerationRequest:
-        check_call_options(kwargs)
-        options = {**self._options(), **kwargs, "chunks": self._chunk_pairs(kwargs.get("chunks"))}
+        options = call_options(self, kwargs)
+        options["chunks"] = self._chunk_pairs(kwargs.get("chunks"))
         if stop is not None:
             options["stop"] = stop
         prompt = self.chunk_cache.backend.render_chat(_chat_messages(messages))

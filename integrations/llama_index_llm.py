@@ -65,7 +65,7 @@ from chunkcache.core.prompting import (
     aiterate,
     backend_model_name,
     build_request,
-    check_call_options,
+    call_options,
     generate,
     run_stream,
 )
@@ -200,19 +200,9 @@ class ChunkCacheLLM(LLM):
         return self.cache.backend.render_chat([_chat_message(m) for m in messages])
 
     def _request(self, prompt: str, kwargs: dict[str, Any]) -> GenerationRequest:
-        check_call_options(kwargs)
-        options = {
-            "conversation_id": self.conversation_id,
-            "recompute": self.recompute,
-            "recompute_ratio": self.recompute_ratio,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stop": self.stop,
-            "seed": self.seed,
-            **kwargs,
-            "chunks": _chunk_pairs(kwargs.get("chunks"), self.cache.namespace),
-        }
+        options = call_options(self, kwargs)
+        options["chunks"] = _chunk_pairs(kwargs.get("chunks"), self.cache.namespace)
+        options.setdefault("conversation_id", self.conversation_id)
         return build_request(prompt, self.cache, **options)
 
 

@@ -165,6 +165,7 @@ def test_stop_at_call_time_and_on_the_instance() -> None:
         llm.invoke("hi", stop="x")  # type: ignore[arg-type]
 
 
+@pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 @pytest.mark.parametrize("key", ["conversation_id", "session_id", "thread_id"])
 async def test_conversation_id_from_config_reaches_the_backend(key: str) -> None:
     llm = make_llm()
@@ -172,10 +173,12 @@ async def test_conversation_id_from_config_reaches_the_backend(key: str) -> None
     llm.invoke("a", config=config)
     list(llm.stream("a", config=config))
     llm.batch(["a"], config=config)
+    list(llm.stream_events("a", config, version="v3"))
     await llm.ainvoke("a", config=config)
     _ = [chunk async for chunk in llm.astream("a", config=config)]
+    _ = [event async for event in llm.astream_events("a", config, version="v2")]
     requests = backend_of(llm).requests
-    assert [r.conversation_id for r in requests] == ["conv-1"] * 5
+    assert [r.conversation_id for r in requests] == ["conv-1"] * 7
     llm.invoke("a", config=config, conversation_id="explicit")
     llm.invoke("a")
     assert [r.conversation_id for r in requests[-2:]] == ["explicit", None]
