@@ -218,3 +218,18 @@ def test_invalid_settings_are_rejected_at_construction(settings: dict[str, Any])
 def test_default_cache_when_none_given() -> None:
     assert ChunkCacheLLM().cache is default_cache()
     assert ChunkCacheLLM(cache=None).cache is default_cache()  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+async def test_on_the_local_engine_a_conversation_reuses_its_prefix() -> None:
+    local_backend = pytest.importorskip("chunkcache.core.local_backend")
+    cache = ChunkCache(backend=local_backend.LocalBackend.default())
+    llm = ChunkCacheLLM(cache=cache, max_tokens=16).for_conversation("conv-local")
+    question = user(f"Context: {TEXTS[0]}\n\nWhat does json.dumps return?")
+    first = llm.chat(question, chunks=[("alpha", TEXTS[0])])
+    assert first.message.content and first.additional_kwargs["chunkcache"]["chunk_misses"] == 1
+    follow_up = [*question, first.message, *user("And json.loads?")]
+    responses = [r async for r in await llm.astream_chat(follow_up)]
+    stats = responses[-1].additional_kwargs["chunkcache"]
+    assert stats["reused_tokens"] > 0 and stats["prompt_tokens"] > stats["reused_tokens"]
+    assert "".join(r.delta or "" for r in responses) == responses[-1].message.content
