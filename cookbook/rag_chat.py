@@ -1,94 +1,103 @@
-"""The main job: a multi-turn RAG session over the bundled corpus, retriever side.
+"""The main job: a multi-turn RAG chat over the bundled corpus on the default model.
 
-Builds a Chroma index of the bundled corpus (Python standard-library docs,
-MiniLM embeddings), wraps its retriever in ``ChunkCacheRetriever`` and replays
-a stream of multi-turn conversations.  For a few conversations it prints, per
-turn, the chunks in the order chunkcache chose (with the retriever's rank), what
-was dropped as already in the conversation, and how much of the chunk list is
-prefix-aligned with an earlier request (what a prefix cache can reuse).
+A LangChain app as anyone would write it (a Chroma retriever, a chat prompt, a
+chat model, message history), with chunkcache's two drop-ins:
+``ChunkCacheRetriever`` around the retriever and ``ChunkCacheLLM`` as the model.
+Several conversations about the Python standard library run turn by turn; each
+turn prints the answer, the time to first token and where the prompt's tokens
+came from (reused from cache, recomputed, computed).  At the end the same last
+prompt runs once more with full prefill, for the TTFT ratio.
 
-    python cookbook/rag_chat.py [--warmup 150] [--show 3] [--seed 0]
+    python cookbook/rag_chat.py [--conversations 3] [--turns 3] [--policy cacheblend]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
-from chunkcache.core import ChunkCache, prefix_metric, total_metric
-from chunkcache.core.chunk_ids import chunk_id_for
+from langchain_core.chat_history import InMemoryChatMessageHistory
+from langchain_core.messages import BaseMessage
+
+from chunkcache.core import default_cache
 from chunkcache.core.corpus import load_corpus
-from chunkcache.core.metrics import PrefixTracker
-from chunkcache.core.workload import Turn, WorkloadConfig, multi_turn_trace
+from chunkcache.core.workload import WorkloadConfig, multi_turn_trace
 from chunkcache.integrations.indexes import langchain_corpus_retriever
-from chunkcache.integrations.langchain import ChunkCacheRetriever
+from chunkcache.integrations.langchain import ChunkCacheLLM, ChunkCacheRetriever
+from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
 
-
-def conversations(turns: list[Turn]) -> dict[str, list[Turn]]:
-    grouped: dict[str, list[Turn]] = {}
-    for turn in turns:
-        grouped.setdefault(turn.conversation_id, []).append(turn)
-    return grouped
+SYSTEM_PROMPT = (
+    "You are a concise assistant for Python programmers. Answer the question in one or two "
+    "sentences, using the context from the Python standard library documentation."
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Multi-turn RAG session, retriever side.")
-    parser.add_argument("--warmup", type=int, default=150, help="conversations replayed first")
-    parser.add_argument("--show", type=int, default=3, help="conversations printed turn by turn")
-    parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description="Multi-turn RAG chat with chunkcache.")
+    parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--policy", default="cacheblend")
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args()
 
-    print("Loading the bundled corpus and its Chroma index (built once, then cached)...")
+    print("Loading the corpus index and the default model (first run builds both)...")
     corpus = load_corpus()
-    titles = {chunk.chunk_id: chunk.title for chunk in corpus}
-    base = langchain_corpus_retriever("chroma", k=args.k)
-    cache = ChunkCache()
-    retriever = ChunkCacheRetriever(base_retriever=base, cache=cache, dedupe="drop")
-    trace = multi_turn_trace(
-        corpus, WorkloadConfig(num_conversations=args.warmup + args.show, seed=args.seed)
+    retriever = ChunkCacheRetriever(
+        base_retriever=langchain_corpus_retriever("chroma", k=args.k), dedupe="drop"
     )
-    by_conversation = conversations(trace)
-    shown = set(list(by_conversation)[-args.show :])
+    llm = ChunkCacheLLM(recompute=args.policy, max_tokens=args.max_tokens)
+    histories: dict[str, InMemoryChatMessageHistory] = {}
+    chain = with_chunk_history(
+        chunk_chat_prompt(SYSTEM_PROMPT) | llm,
+        retriever,
+        lambda session_id: histories.setdefault(session_id, InMemoryChatMessageHistory()),
+    )
+    config = WorkloadConfig(
+        num_conversations=args.conversations,
+        min_turns=args.turns,
+        max_turns=args.turns,
+        same_topic_probability=0.9,
+        seed=args.seed,
+    )
+    turns = sorted(
+        multi_turn_trace(corpus, config), key=lambda t: (t.conversation_id, t.turn_index)
+    )
+    rows: list[dict[str, Any]] = []
+    for turn in turns:
+        run_config: Any = {"configurable": {"session_id": turn.conversation_id}}
+        answer: BaseMessage = chain.invoke({"question": turn.question}, config=run_config)
+        stats = answer.response_metadata["chunkcache"]
+        rows.append(stats)
+        print(f"\n[{turn.conversation_id} turn {turn.turn_index + 1}] {turn.question}")
+        print(f"  answer: {str(answer.content).strip()}")
+        print(
+            f"  TTFT {stats['ttft_s']:.2f} s | prompt {stats['prompt_tokens']} tokens: "
+            f"{stats['reused_tokens']} reused, {stats['recomputed_tokens']} recomputed, "
+            f"{stats['computed_tokens']} computed | chunks {stats['chunk_hits']} hit, "
+            f"{stats['chunk_misses']} missed"
+        )
 
-    tracker = PrefixTracker()
-    requests: list[list[str]] = []
-    retrieved = dropped = 0
-    print(f"Replaying {len(trace)} turns of {len(by_conversation)} conversations...\n")
-    for turn in trace:
-        config: Any = {"configurable": {"conversation_id": turn.conversation_id}}
-        base_ids = [chunk_id_for(d.page_content, d.metadata) for d in base.invoke(turn.question)]
-        seen_before = cache.ledger.seen(turn.conversation_id)
-        docs = retriever.invoke(turn.question, config=config)
-        order = [d.metadata["chunk_id"] for d in docs]
-        aligned = tracker.add(order)
-        requests.append(order)
-        turn_dropped = [cid for cid in base_ids if cid in seen_before]
-        retrieved += len(base_ids)
-        dropped += len(turn_dropped)
-        if turn.conversation_id in shown:
-            print(f"[{turn.conversation_id} turn {turn.turn_index + 1}] {turn.question}")
-            for position, doc in enumerate(docs):
-                rank = doc.metadata["retriever_rank"]
-                print(
-                    f"  {position + 1}. {titles.get(doc.metadata['chunk_id'], '?'):<48}"
-                    f" (retriever rank {rank + 1})"
-                )
-            for cid in turn_dropped:
-                print(f"  -  {titles.get(cid, '?'):<48} (already in this conversation: dropped)")
-            share = aligned / len(order) if order else 0.0
-            print(
-                f"  prefix-aligned with an earlier request: {aligned}/{len(order)} = {share:.0%}\n"
-            )
-
-    print("Session summary")
-    print(f"  requests: {len(requests)}, chunks retrieved: {retrieved}")
-    print(f"  dropped as already in their conversation: {dropped} ({dropped / retrieved:.1%})")
+    prompt_tokens = sum(r["prompt_tokens"] for r in rows)
+    reused = sum(r["reused_tokens"] for r in rows)
+    print("\nSession summary")
+    print(f"  turns: {len(rows)}, prompt tokens: {prompt_tokens}")
+    print(f"  reused from cache: {reused} ({reused / prompt_tokens:.0%} of prompt tokens)")
+    print(f"  median TTFT: {statistics.median(r['ttft_s'] for r in rows):.2f} s ({args.policy})")
+    last = turns[-1]
+    history = histories[last.conversation_id].messages[:-2]  # the last turn, asked again
+    messages = chunk_chat_prompt(SYSTEM_PROMPT).invoke(
+        {"history": history, "turn": [histories[last.conversation_id].messages[-2]]}
+    )
+    baseline = llm.invoke(messages, recompute="full", max_tokens=1)
+    full_ttft = baseline.response_metadata["chunkcache"]["ttft_s"]
     print(
-        f"  CRAFT Prefix metric: {prefix_metric(requests):.3f}"
-        f"   Total metric: {total_metric(requests):.3f}"
+        f"  last prompt with full prefill: TTFT {full_ttft:.2f} s vs {rows[-1]['ttft_s']:.2f} s "
+        f"with {args.policy} ({full_ttft / rows[-1]['ttft_s']:.1f}x faster)"
     )
-    print(f"  state: {cache.stats()}")
+    print(f"  cache state: {default_cache().stats()}")
 
 
 if __name__ == "__main__":

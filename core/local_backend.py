@@ -12,6 +12,7 @@ import torch
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.kv_store import KVStore
+from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import LoadedModel, load_model
 from chunkcache.core.sampling import StopChecker
 from chunkcache.core.tokenization import SegmentTokenizer
@@ -20,10 +21,11 @@ from chunkcache.core.tokenization import SegmentTokenizer
 class LocalBackend:
     """Runs requests on a :class:`ChunkEngine` in this process, one at a time."""
 
-    def __init__(self, engine: ChunkEngine) -> None:
+    def __init__(self, engine: ChunkEngine, model_name: str = "chunkcache-local") -> None:
         if engine.lm.tokenizer is None:
             raise ValueError("the local backend needs a model loaded with its tokenizer")
         self.engine = engine
+        self.model_name = model_name
         self.tokenizer = engine.lm.tokenizer
         self.segment_tokenizer = SegmentTokenizer(self.tokenizer)
         self.eos_ids = _eos_ids(engine.lm)
@@ -37,7 +39,8 @@ class LocalBackend:
         store: KVStore | None = None,
     ) -> LocalBackend:
         """A backend on ``model`` (default: SmolLM2-135M-Instruct, installed on first use)."""
-        return cls(ChunkEngine(load_model(model, dtype=dtype), store))
+        name = Path(model).name if model is not None else DEFAULT_MODEL_NAME
+        return cls(ChunkEngine(load_model(model, dtype=dtype), store), name)
 
     @property
     def context_window(self) -> int:
