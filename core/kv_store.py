@@ -19,10 +19,12 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
+
+from chunkcache.core.craft import MIN_CFO_FOR_REUSE_COUNT, CraftMeta
 
 
 def segment_key(token_ids: Sequence[int]) -> str:
@@ -41,12 +43,28 @@ def extend_context(context: str, segment_id: str) -> str:
 ROOT_CONTEXT = "root"
 
 
+@dataclass
+class ReuseCount:
+    """How often, and how cheaply, a variant was reused: Cache-Craft's frequency-reuse f_r
+    (§3.3), which its eviction keeps high.  Plain numbers, saved as JSON by a tiered store."""
+
+    num_reuses: int = 0
+    frequency_reuse: float = 0.0  # f_r = sum over reuses of 1 / CFO
+
+    def record(self, cfo: float) -> None:
+        """Count one reuse at fix overhead ``cfo`` (floored, so CFO 0 adds a finite amount)."""
+        self.num_reuses += 1
+        self.frequency_reuse += 1.0 / max(cfo, MIN_CFO_FOR_REUSE_COUNT)
+
+
 @dataclass(frozen=True)
 class KVVariant:
     """One segment's KV, computed at positions ``start ... start + n`` after ``context``.
 
     ``exact`` is False when the KV before it was itself approximate (reused with
     selective recompute): such a variant is a reuse candidate, never a prefix hit.
+    ``meta`` is Cache-Craft's reusability metadata, measured when the chunk was computed
+    fresh under the ``cachecraft`` policy (None otherwise); ``reuse`` counts its reuses.
     """
 
     segment_id: str
@@ -55,6 +73,8 @@ class KVVariant:
     exact: bool
     k: Tensor  # [L, H_kv, n, D], rotated at positions start ... start + n - 1
     v: Tensor  # [L, H_kv, n, D]
+    meta: CraftMeta | None = None
+    reuse: ReuseCount = field(default_factory=ReuseCount, compare=False)
 
     @property
     def num_tokens(self) -> int:
