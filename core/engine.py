@@ -8,10 +8,22 @@ One request runs ``plan -> place -> compute -> store``:
    sequence, whichever is longer.  Always taken, whatever the policy but ``full``.
 2. Place: for ``reuse``/``cacheblend``/``cachecraft``, every later chunk with any
    stored variant has its keys moved to their new positions (RoPE shift) and its
-   values copied (CacheBlend §3).
+   values copied (CacheBlend §3).  ``cachecraft`` places the variant of lowest CFO
+   and counts f_r += 1/CFO on it (Cache-Craft §3.3); the others the most recent.
 3. Compute: tokens with no KV run all layers; reused tokens are selectively
    recomputed by the policy (:mod:`chunkcache.core.recompute`).
 4. Store: segments computed fresh become variants of their context.
+
+``cachecraft`` (Cache-Craft §3.1-3.3, :mod:`chunkcache.core.craft`) recomputes, on
+every layer, the top ``ceil(CFO * |C|)`` tokens of each placed chunk by their stored
+attention to the chunk's old context, CFO = alpha * CCI * (1 - beta') with
+``CraftConfig.alpha`` (default 1.0).  ``ratio`` caps the share of the reused tokens
+recomputed: over the cap, every chunk's count shrinks in proportion; 1.0 is the
+paper's uncapped rule.  While the rows run, the question's attention picks the
+focused chunks (Algorithm 1, ``CraftConfig.focus_window``, default 3 layers); once
+they hold, the other chunks' rows stop.  Chunks it computes fresh get the metadata
+CFO needs (CCI, per-token scores, context), read on every 4th layer; variants stored
+by other policies have none and score CFO = min(1, alpha).
 """
 
 from __future__ import annotations
@@ -25,6 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from chunkcache.core.craft import CraftConfig, CraftMeta
+from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
+from chunkcache.core.craft_probe import Span
 from chunkcache.core.errors import ChunkCacheError
 from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
 from chunkcache.core.kv_store import (
@@ -66,14 +81,23 @@ class Prefilled:
 
 
 class ChunkEngine:
-    """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`."""
+    """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`.
+
+    ``craft`` holds the ``cachecraft`` policy's settings (alpha, metadata layers,
+    attention sinks, focus window); see the module docstring.
+    """
 
     def __init__(
-        self, lm: LoadedModel, store: KVStore | None = None, max_conversations: int = 32
+        self,
+        lm: LoadedModel,
+        store: KVStore | None = None,
+        max_conversations: int = 32,
+        craft: CraftConfig | None = None,
     ) -> None:
         self.lm = lm
         self.store: KVStore = store if store is not None else MemoryKVStore()
         self.max_conversations = max_conversations
+        self.craft = craft if craft is not None else CraftConfig()
         self._conversations: OrderedDict[str, Prefilled] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -96,6 +120,9 @@ class ChunkEngine:
                 f"context window of {self.lm.spec.max_positions}"
             )
         starts, contexts = _layout(segments)
+        spans = [
+            Span(g.segment_id, a, a + len(g.ids)) for g, a in zip(segments, starts, strict=True)
+        ]
         stats = GenerationStats(policy=policy, prompt_tokens=len(ids))
         kv = self.lm.new_kv(len(ids) + reserve)
         kv.extend(len(ids))
@@ -103,20 +130,33 @@ class ChunkEngine:
         if policy != "full":
             exact, exact_until = self._take_prefix(segments, ids, conversation_id, kv)
         exact = min(exact, len(ids) - 1)  # the last token always runs, for its logits
-        reused = self._place(segments, starts, exact, kv) if _reuses(policy) else []
+        placed = self._place(segments, spans, exact, kv, policy) if _reuses(policy) else []
+        reused = [slot for p in placed for slot in p.slots]
         slots = torch.arange(len(ids), device=self.lm.device)
         reused_slots = torch.tensor(reused, dtype=torch.long, device=self.lm.device)
         computed = slots[exact:][~torch.isin(slots[exact:], reused_slots)]
-        ratio = {"reuse": 0.0, "cacheblend": ratio, "cachecraft": ratio}.get(policy, 1.0)
         token_ids = torch.tensor(ids, device=self.lm.device)
-        result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
+        metas: dict[int, CraftMeta] = {}
+        if policy == "cachecraft":
+            chunks = [s for s, g in zip(spans, segments, strict=True) if g.is_chunk]
+            hits = {p.span.start for p in placed}
+            fresh = [s for s in chunks if s.start >= exact and s.start not in hits]
+            outcome = craft_recompute(
+                self.lm, self.craft, spans, chunks, fresh, placed, computed, token_ids, kv, ratio
+            )
+            result, metas = outcome.result, outcome.metas
+            stats.extra["craft_cfo"] = [round(p.cfo, 4) for p in placed]
+            stats.extra["craft_focus_layer"] = outcome.focus_layer
+        else:
+            ratio = {"reuse": 0.0, "cacheblend": ratio}.get(policy, 1.0)
+            result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
         if result.num_recomputed < len(reused):  # some reused KV kept as is: approximate
             exact_until = min(exact_until, min(reused))
         stats.reused_tokens = exact + len(reused) - result.num_recomputed
         stats.recomputed_tokens = result.num_recomputed
         stats.computed_tokens = computed.numel()
         stats.chunk_hits, stats.chunk_misses = self._store(
-            segments, starts, contexts, exact, set(reused), exact_until, kv
+            segments, starts, contexts, exact, set(reused), exact_until, kv, metas
         )
         layers = self.lm.spec.num_layers
         stats.extra["token_layer_share"] = result.token_layers / (len(ids) * layers)
@@ -180,24 +220,34 @@ class ChunkEngine:
         return from_store, len(ids)
 
     def _place(
-        self, segments: Sequence[TokenSegment], starts: list[int], exact: int, kv: SeqKV
-    ) -> list[int]:
-        """Move stored variants of chunks after the exact prefix into ``kv``; their slots."""
-        reused: list[int] = []
-        last_slot = sum(len(segment.ids) for segment in segments) - 1
-        for segment, start in zip(segments, starts, strict=True):
-            if not segment.is_chunk or start < exact:
+        self,
+        segments: Sequence[TokenSegment],
+        spans: list[Span],
+        exact: int,
+        kv: SeqKV,
+        policy: Policy,
+    ) -> list[PlacedChunk]:
+        """Move stored variants of chunks after the exact prefix into ``kv``."""
+        placed: list[PlacedChunk] = []
+        last_slot = spans[-1].end - 1
+        for i, (segment, span) in enumerate(zip(segments, spans, strict=True)):
+            if not segment.is_chunk or span.start < exact:
                 continue
             variants = self.store.variants(self.lm.fingerprint, segment.segment_id)
-            variant = next((v for v in variants if v.num_tokens == len(segment.ids)), None)
-            if variant is None:
+            variants = [v for v in variants if v.num_tokens == span.num_tokens]
+            if not variants:
                 continue
-            end = start + variant.num_tokens
-            # k: [L, H_kv, n, D] rotated at variant.start..; moved to start..
-            kv.k[:, :, start:end] = self.lm.rope.shift(variant.k, start - variant.start)
-            kv.v[:, :, start:end] = variant.v
-            reused.extend(slot for slot in range(start, end) if slot != last_slot)
-        return reused
+            variant, cfo = variants[0], 0.0  # the most recently used
+            if policy == "cachecraft":
+                variant, cfo = choose_variant(variants, spans[:i], self.craft)
+            # k: [L, H_kv, n, D] rotated at variant.start..; moved to span.start..
+            kv.k[:, :, span.start : span.end] = self.lm.rope.shift(
+                variant.k, span.start - variant.start
+            )
+            kv.v[:, :, span.start : span.end] = variant.v
+            reused = [slot for slot in range(span.start, span.end) if slot != last_slot]
+            placed.append(PlacedChunk(span, variant, cfo, reused))
+        return placed
 
     def _store(
         self,
@@ -208,6 +258,7 @@ class ChunkEngine:
         reused: set[int],
         exact_until: int,
         kv: SeqKV,
+        metas: dict[int, CraftMeta],
     ) -> tuple[int, int]:
         """Store segments computed fresh as variants; count chunk hits and misses."""
         hits = misses = 0
@@ -226,6 +277,7 @@ class ChunkEngine:
                 is_exact,
                 kv.k[:, :, start:end].clone(),
                 kv.v[:, :, start:end].clone(),
+                metas.get(start),
             )
             self.store.put(self.lm.fingerprint, variant)
         return hits, misses
