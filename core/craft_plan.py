@@ -86,8 +86,8 @@ def craft_recompute(
     lm: LoadedModel,
     config: CraftConfig,
     spans: Sequence[Span],
-    chunks: Sequence[Span],
-    fresh: Sequence[Span],
+    chunks: Sequence[int],
+    fresh: Sequence[int],
     placed: Sequence[PlacedChunk],
     computed: Tensor,
     ids: Tensor,
@@ -96,7 +96,7 @@ def craft_recompute(
 ) -> CraftOutcome:
     """Run the request's rows: ``computed`` in full, the placed chunks' fix tokens.
 
-    ``spans`` are every segment of the prompt, ``chunks`` its chunks, ``fresh`` the chunks
+    ``spans`` are every segment of the prompt; ``chunks`` index its chunks, ``fresh`` those
     computed fresh (their metadata is read); ``ratio`` caps the recomputed share.
     """
     # computed: [C] long slots; ids: [S] long
@@ -106,14 +106,14 @@ def craft_recompute(
     meta = MetaProbe(fresh, spans, layers, config.sink_tokens) if fresh else None
     focus = None
     if config.focus_window is not None and chosen and len(chunks) >= 3:
-        question = computed[computed >= chunks[-1].end]  # the rows after the last chunk
+        question = computed[computed >= spans[chunks[-1]].end]  # the rows after the last chunk
         question = question if question.numel() else computed[-1:]
         focus = FocusProbe(question, chunks, config.focus_window)
-    schedule = CraftSchedule(meta, focus, config.sink_tokens)
+    schedule = CraftSchedule(meta, focus, spans, config.sink_tokens, computed.device)
     result = recompute_rows(lm, kv, ids, computed, chosen_slots, schedule)
     metas = meta.metas() if meta is not None else []
     return CraftOutcome(
         result,
-        {span.start: m for span, m in zip(fresh, metas, strict=True)},
+        {spans[c].start: m for c, m in zip(fresh, metas, strict=True)},
         focus.cutoff_layer if focus is not None else None,
     )

@@ -138,9 +138,9 @@ class ChunkEngine:
         token_ids = torch.tensor(ids, device=self.lm.device)
         metas: dict[int, CraftMeta] = {}
         if policy == "cachecraft":
-            chunks = [s for s, g in zip(spans, segments, strict=True) if g.is_chunk]
+            chunks = [i for i, segment in enumerate(segments) if segment.is_chunk]
             hits = {p.span.start for p in placed}
-            fresh = [s for s in chunks if s.start >= exact and s.start not in hits]
+            fresh = [i for i in chunks if spans[i].start >= exact and spans[i].start not in hits]
             outcome = craft_recompute(
                 self.lm, self.craft, spans, chunks, fresh, placed, computed, token_ids, kv, ratio
             )

@@ -29,7 +29,7 @@ from torch import Tensor
 from chunkcache.core.model_forward import embed, run_layers
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
-from chunkcache.kernels.layer import Rows, layer_step, layer_step_probed
+from chunkcache.kernels.layer import Probe, Rows, layer_step, layer_step_probed
 
 # Share of the reused rows kept after each check layer, as multiples of the target
 # ratio r: a little above r after the first check, r after the second (§4.3).
@@ -79,11 +79,11 @@ class LayerRun:
         """Advance ``rows.x`` through the layer (writing the rows' K/V)."""
         rows.x = layer_step(self.module, rows.x, rows.rows, self.k, self.v)
 
-    def run_probed(self, rows: RowSet, probe: Tensor) -> Tensor:
-        """:meth:`run`, returning the attention probabilities of the rows at ``probe``."""
-        # probe: [P] long indices into rows -> [P, S] float32, averaged over heads
-        rows.x, probs = layer_step_probed(self.module, rows.x, rows.rows, self.k, self.v, probe)
-        return probs
+    def run_probed(self, rows: RowSet, probe: Probe) -> Tensor:
+        """:meth:`run`, returning the attention of the rows ``probe.rows`` per slot group."""
+        # -> [P, G] float32, averaged over heads
+        rows.x, mass = layer_step_probed(self.module, rows.x, rows.rows, self.k, self.v, probe)
+        return mass
 
 
 class RowSchedule(Protocol):
@@ -132,12 +132,15 @@ def run_rows(
     )
     num_layers, layer, token_layers = lm.spec.num_layers, 0, 0
     while layer < num_layers and not schedule.done(layer):
+        recomputed = int(rows.is_reused.sum())  # rows dropped after the last layer still ran it
         token_layers += rows.slots.numel()
         schedule.step(layer, rows, LayerRun(lm.decoder.layers[layer], *kv.layer(layer)))
         layer += 1
-    rows.x = run_layers(lm, rows.x, rows.rows, kv, range(layer, num_layers))  # x: [M', E]
-    token_layers += rows.slots.numel() * (num_layers - layer)
-    return RecomputeResult(rows.x[-1], int(rows.is_reused.sum()), token_layers)
+    if layer < num_layers:
+        rows.x = run_layers(lm, rows.x, rows.rows, kv, range(layer, num_layers))  # x: [M', E]
+        token_layers += rows.slots.numel() * (num_layers - layer)
+        recomputed = int(rows.is_reused.sum())
+    return RecomputeResult(rows.x[-1], recomputed, token_layers)
 
 
 class GradualFilter:

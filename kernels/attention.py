@@ -40,19 +40,34 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     return out[0].transpose(0, 1).flatten(1)  # -> [N, H * D]
 
 
-def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float, block: int = 256) -> Tensor:
-    """The softmax attention probabilities of ``q``'s rows over all keys, averaged over heads.
+def attention_mass(
+    q: Tensor, k: Tensor, mask: Tensor | None, scale: float, groups: Tensor, num_groups: int
+) -> Tensor:
+    """The attention of ``q``'s rows summed over groups of key slots, averaged over heads.
 
-    The explicit form of what :func:`attention` computes inside SDPA, for the few rows whose
-    attention the caller wants to read (Cache-Craft §3.1); float32, ``block`` rows at a time
-    so the ``[H, block, S]`` scores stay small.
+    ``groups[j]`` is slot ``j``'s group; with ``groups = arange(S)`` the result is the rows'
+    attention probabilities over the merged sequence.  It is attention whose values are
+    one-hot group indicators, ``D`` groups per call: SDPA's fused kernel (which wants value
+    width ``D``) then never materialises the ``[H, P, S]`` probabilities, and a call costs
+    about what the rows' own attention does.  Float32 out; bf16 models give ~1e-3 accuracy.
+    ``mask=None`` means the rows are the whole sequence in order (SDPA's causal fast path).
     """
-    # q: [H, P, D]; k: [H_kv, S, D]; mask: [P, S] bool
-    groups = q.shape[0] // k.shape[0]
-    k = k.float().repeat_interleave(groups, dim=0)  # k: [H, S, D], as enable_gqa shares heads
+    # q: [H, P, D]; k: [H_kv, S, D]; mask: [P, S] bool or None; groups: [S] long in [0, G)
+    width = q.shape[-1]
     out = []
-    for i in range(0, q.shape[1], block):
-        scores = (q[:, i : i + block].float() @ k.transpose(1, 2)) * scale  # [H, b, S]
-        scores.masked_fill_(~mask[i : i + block], float("-inf"))
-        out.append(scores.softmax(dim=-1).mean(dim=0))  # [b, S]
-    return torch.cat(out) if out else q.new_zeros(0, k.shape[1], dtype=torch.float32)  # [P, S]
+    for first in range(0, num_groups, width):
+        index = groups - first  # [S]
+        inside = ((index >= 0) & (index < width)).nonzero().squeeze(1)  # [S']
+        onehot = q.new_zeros(k.shape[1], width)  # onehot: [S, D]
+        onehot[inside, index[inside]] = 1
+        mass = F.scaled_dot_product_attention(
+            q[None],
+            k[None],
+            onehot.expand(k.shape[0], -1, -1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # mass: [1, H, P, D]
+        out.append(mass[0].float().mean(dim=0))  # [P, D]
+    return torch.cat(out, dim=1)[:, :num_groups]  # [P, G]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from chunkcache.kernels.attention import attention, attention_probs, causal_mask
+from chunkcache.kernels.attention import attention, attention_mass, causal_mask
 from chunkcache.kernels.rope import Rope, apply_rope
 
 
@@ -70,26 +70,36 @@ def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tenso
     return _step(layer, x, rows, k, v, None)[0]
 
 
-def layer_step_probed(
-    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Tensor
-) -> tuple[Tensor, Tensor]:
-    """:func:`layer_step`, plus the attention probabilities of the rows at ``probe``.
+@dataclass(frozen=True)
+class Probe:
+    """Rows whose attention a layer step also returns, summed over groups of key slots.
 
-    ``probe`` indexes ``rows``; the probabilities are over all ``S`` slots of the merged
-    sequence, averaged over heads, float32 (Cache-Craft §3.1 reads inter/intra attention
-    from them). The hidden states are those of :func:`layer_step`: the probabilities are an
-    extra product, so the normal path pays nothing for them.
+    ``groups = arange(S)`` asks for the plain attention probabilities over all slots.
     """
-    # probe: [P] long -> ([N, E], [P, S])
-    x, probs = _step(layer, x, rows, k, v, probe)
-    assert probs is not None
-    return x, probs
+
+    rows: Tensor  # [P] long, indices into the step's Rows
+    groups: Tensor  # [S] long, the group of each slot of the merged sequence
+    num_groups: int
+
+
+def layer_step_probed(
+    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Probe
+) -> tuple[Tensor, Tensor]:
+    """:func:`layer_step`, plus the attention of the rows ``probe.rows`` per slot group.
+
+    The attention is averaged over heads, float32, ``[P, G]`` (Cache-Craft §3.1 reads
+    inter and intra attention from it). The hidden states are those of :func:`layer_step`:
+    the attention is an extra product, so the normal path pays nothing for it.
+    """
+    x, mass = _step(layer, x, rows, k, v, probe)
+    assert mass is not None
+    return x, mass
 
 
 def _step(
-    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Tensor | None
+    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Probe | None
 ) -> tuple[Tensor, Tensor | None]:
-    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV); probe: [P] long or None
+    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV)
     attn = layer.self_attn
     n, head_dim = x.shape[0], attn.head_dim
     h = layer.input_layernorm(x)  # h: [N, E]
@@ -99,9 +109,14 @@ def _step(
     q = apply_rope(q, rows.cos, rows.sin)
     k.index_copy_(1, rows.index, apply_rope(k_rows, rows.cos, rows.sin))
     v.index_copy_(1, rows.index, v_rows)
-    probs = None
-    if probe is not None:
-        mask = rows.probe_mask(probe)  # mask: [P, S]
-        probs = attention_probs(q[:, probe], k, mask, attn.scaling)  # probs: [P, S]
+    mass = None
+    if probe is not None and rows.mask is None and 2 * probe.rows.numel() > n:
+        # most of the whole sequence probed: every row on SDPA's causal fast path, then pick
+        mass = attention_mass(q, k, None, attn.scaling, probe.groups, probe.num_groups)
+        mass = mass[probe.rows]  # mass: [P, G]
+    elif probe is not None:
+        mask = rows.probe_mask(probe.rows)  # mask: [P, S]
+        q_probe = q[:, probe.rows]  # q_probe: [H, P, D]
+        mass = attention_mass(q_probe, k, mask, attn.scaling, probe.groups, probe.num_groups)
     x = x + attn.o_proj(attention(q, k, v, rows.mask, attn.scaling))  # x: [N, E]
-    return x + layer.mlp(layer.post_attention_layernorm(x)), probs
+    return x + layer.mlp(layer.post_attention_layernorm(x)), mass  # mass: [P, G]

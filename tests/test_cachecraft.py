@@ -29,7 +29,7 @@ from chunkcache.core.craft_probe import MetaProbe, Span
 from chunkcache.core.engine import ChunkEngine, TokenSegment
 from chunkcache.core.kv_store import MemoryKVStore, segment_key
 from chunkcache.core.models import LoadedModel
-from chunkcache.kernels.layer import Rows, layer_step, layer_step_probed
+from chunkcache.kernels.layer import Probe, Rows, layer_step, layer_step_probed
 
 TOLERANCE = 1e-4
 NO_FOCUS = CraftConfig(focus_window=None)
@@ -73,27 +73,38 @@ def test_probed_layer_step_returns_hugging_face_attention() -> None:
     kv = lm.new_kv(20)
     kv.extend(20)
     rows = Rows.build(torch.arange(20), 20, lm.rope)
-    probe = torch.tensor([0, 7, 19])
+    few = Probe(torch.tensor([0, 7, 19]), torch.arange(20), 20)  # one group per slot
+    most = Probe(torch.arange(2, 20), torch.arange(20), 20)  # most rows: SDPA's causal path
     x = lm.decoder.embed_tokens(ids)
     for i, layer in enumerate(lm.decoder.layers):
-        plain = layer_step(layer, x, rows, *kv.layer(i))
-        x, probs = layer_step_probed(layer, x, rows, *kv.layer(i), probe)
-        assert torch.equal(x, plain)
-        torch.testing.assert_close(probs, expected[i][0, :, probe].mean(0), atol=1e-5, rtol=0)
+        k, v = kv.layer(i)  # each step below writes the same K/V
+        plain = layer_step(layer, x, rows, k, v)
+        for probe in (few, most):
+            out, probs = layer_step_probed(layer, x, rows, k, v, probe)
+            assert torch.equal(out, plain)
+            reference = expected[i][0, :, probe.rows].mean(0)  # [P, 20]
+            torch.testing.assert_close(probs, reference, atol=1e-5, rtol=0)
+        x = plain
 
 
-def test_probed_rows_over_a_merged_sequence_sum_to_one() -> None:
+def test_probed_rows_over_a_merged_sequence_sum_per_group() -> None:
     lm = tiny_lm("qwen2")
-    kv = lm.new_kv(30)
-    kv.extend(30)
+    kv = lm.new_kv(150)
+    kv.extend(150)
     kv.k.normal_()
     kv.v.normal_()
-    rows = Rows.build(torch.tensor([3, 10, 11, 29]), 30, lm.rope)
+    rows = Rows.build(torch.tensor([3, 10, 11, 149]), 150, lm.rope)
     x = torch.randn(4, lm.spec.hidden_size)
     k, v = kv.layer(0)
-    _, probs = layer_step_probed(lm.decoder.layers[0], x, rows, k, v, torch.tensor([1, 3]))
+    layer = lm.decoder.layers[0]
+    every = Probe(torch.tensor([1, 3]), torch.arange(150), 150)  # more groups than head_dim
+    _, probs = layer_step_probed(layer, x, rows, k.clone(), v.clone(), every)
     torch.testing.assert_close(probs.sum(1), torch.ones(2))
     assert probs[0, 11:].abs().max() == 0  # slot 10 sees slots 0 ... 10 only
+    groups = torch.arange(150) % 7
+    _, mass = layer_step_probed(layer, x, rows, k, v, Probe(every.rows, groups, 7))
+    expected = torch.zeros(2, 7).index_add_(1, groups, probs)
+    torch.testing.assert_close(mass, expected)
 
 
 # --- scores -------------------------------------------------------------------------------
@@ -172,19 +183,18 @@ def test_focused_chunks_follow_algorithm_1() -> None:
 
 
 def _probe_cci(own_share: float) -> float:
-    """CCI of a 4-token chunk at slots 8-11 after a sink segment (0-3) and a context (4-7)
-    whose tokens give ``own_share`` of their attention to their own chunk."""
-    segments = [Span("sink", 0, 4), Span("x", 4, 8), Span("c", 8, 12)]
-    probe = MetaProbe([segments[2]], segments, range(1), sinks=4)
-    probs = torch.zeros(4, 12)
-    probs[:, 4:8] = (1 - own_share) / 4
-    for t in range(4):
-        probs[t, 8 : 9 + t] = own_share / (t + 1)
-    probe.add(probs)
+    """CCI of a 4-token chunk at slots 8-11 after a segment of attention sinks (0-3) and a
+    context (4-7), whose tokens give ``own_share`` of their attention to their own chunk."""
+    spans = [Span("sink", 0, 4), Span("x", 4, 8), Span("c", 8, 12)]
+    probe = MetaProbe([2], spans, range(1), sinks=4)
+    mass = torch.zeros(4, len(spans) + 1)  # groups: the spans, then the sinks
+    mass[:, 1], mass[:, 2], mass[:, 3] = 1 - own_share, own_share, 0.5
+    probe.add(mass)
     (m,) = probe.metas()
     assert m.context_ids == ("sink", "x")
     assert m.context_tokens == (0, 4)
-    assert m.context_inter[1] == pytest.approx(4 * (1 - own_share))
+    assert m.context_inter == pytest.approx((0, 4 * (1 - own_share)))
+    assert m.token_inter == pytest.approx((1 - own_share,) * 4)
     return m.cci
 
 
