@@ -36,7 +36,6 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.bridge.pydantic import Field, field_validator
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
@@ -46,6 +45,11 @@ from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode, check_conversation_id, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering
 from chunkcache.core.retrieval import plan_retrieval
+from chunkcache.integrations.llama_index_fields import (
+    CacheField,
+    ConversationIdField,
+    optional_conversation_id,
+)
 from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
 __all__ = ["ChunkCacheLLM", "ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
@@ -131,7 +135,7 @@ class ChunkCacheRetriever(BaseRetriever):
         self._cache = cache if cache is not None else default_cache()
         self._ordering = check_ordering(ordering)
         self._dedupe = check_dedupe_mode(dedupe)
-        self._conversation_id = _optional_conversation_id(conversation_id)
+        self._conversation_id = optional_conversation_id(conversation_id)
 
     @property
     def base_retriever(self) -> BaseRetriever:
@@ -185,20 +189,10 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     Place it last, so the nodes it orders are the ones the prompt gets.
     """
 
-    cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
+    cache: CacheField
     ordering: Ordering = "tree"
     dedupe: DedupeMode = "mark"
-    conversation_id: str | None = None
-
-    @field_validator("cache", mode="before")
-    @classmethod
-    def _default_cache(cls, value: ChunkCache | None) -> ChunkCache:
-        return default_cache() if value is None else value
-
-    @field_validator("conversation_id", mode="before")
-    @classmethod
-    def _check_conversation_id(cls, value: object) -> str | None:
-        return _optional_conversation_id(value)
+    conversation_id: ConversationIdField = None
 
     @classmethod
     def class_name(cls) -> str:
@@ -218,7 +212,3 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
             ordering=self.ordering,
             dedupe=self.dedupe,
         )
-
-
-def _optional_conversation_id(value: object) -> str | None:
-    return None if value is None else check_conversation_id(value)

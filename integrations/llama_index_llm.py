@@ -45,13 +45,12 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
-from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
@@ -68,6 +67,10 @@ from chunkcache.core.prompting import (
     call_options,
     generate,
     run_stream,
+)
+from chunkcache.integrations.llama_index_fields import (
+    CacheField,
+    ConversationIdField,
 )
 
 __all__ = ["ChunkCacheLLM"]
@@ -91,7 +94,7 @@ class ChunkCacheLLM(LLM):
     has one, else LlamaIndex's default (3900 tokens).
     """
 
-    cache: ChunkCache = Field(default_factory=default_cache, exclude=True)
+    cache: CacheField
     recompute: Policy = DEFAULT_POLICY
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
@@ -99,17 +102,7 @@ class ChunkCacheLLM(LLM):
     top_p: float = Field(default=1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
-    conversation_id: str | None = None
-
-    @field_validator("cache", mode="before")
-    @classmethod
-    def _default_cache(cls, value: ChunkCache | None) -> ChunkCache:
-        return default_cache() if value is None else value
-
-    @field_validator("conversation_id", mode="before")
-    @classmethod
-    def _check_conversation_id(cls, value: object) -> str | None:
-        return None if value is None else check_conversation_id(value)
+    conversation_id: ConversationIdField = None
 
     @classmethod
     def class_name(cls) -> str:
