@@ -36,6 +36,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
@@ -189,7 +190,7 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     Place it last, so the nodes it orders are the ones the prompt gets.
     """
 
-    cache: CacheField
+    cache: CacheField = Field(default_factory=default_cache, exclude=True)
     ordering: Ordering = "tree"
     dedupe: DedupeMode = "mark"
     conversation_id: ConversationIdField = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from llama_index.core.bridge.pydantic import BeforeValidator, Field
+from llama_index.core.bridge.pydantic import BeforeValidator
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import check_conversation_id
@@ -23,9 +23,5 @@ def _cache_or_default(value: ChunkCache | None) -> ChunkCache:
     return default_cache() if value is None else value
 
 
-CacheField = Annotated[
-    ChunkCache,
-    BeforeValidator(_cache_or_default),
-    Field(default_factory=default_cache, exclude=True),
-]
+CacheField = Annotated[ChunkCache, BeforeValidator(_cache_or_default)]
 ConversationIdField = Annotated[str | None, BeforeValidator(optional_conversation_id)]

@@ -51,6 +51,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
+from chunkcache.core.cache import default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
@@ -94,7 +95,7 @@ class ChunkCacheLLM(LLM):
     has one, else LlamaIndex's default (3900 tokens).
     """
 
-    cache: CacheField
+    cache: CacheField = Field(default_factory=default_cache, exclude=True)
     recompute: Policy = DEFAULT_POLICY
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
