@@ -19,11 +19,18 @@ every layer, the top ``ceil(CFO * |C|)`` tokens of each placed chunk by their st
 attention to the chunk's old context, CFO = alpha * CCI * (1 - beta') with
 ``CraftConfig.alpha`` (default 1.0).  ``ratio`` caps the share of the reused tokens
 recomputed: over the cap, every chunk's count shrinks in proportion; 1.0 is the
-paper's uncapped rule.  While the rows run, the question's attention picks the
-focused chunks (Algorithm 1, ``CraftConfig.focus_window``, default 3 layers); once
-they hold, the other chunks' rows stop.  Chunks it computes fresh get the metadata
-CFO needs (CCI, per-token scores, context), read on every 4th layer; variants stored
-by other policies have none and score CFO = min(1, alpha).
+paper's uncapped rule.  Chunks it computes fresh get the metadata CFO needs (CCI,
+per-token scores, context), read on every 4th layer; variants stored by other
+policies have none and score CFO = min(1, alpha), their first tokens recomputed.
+Early termination on the question's focused chunks (Algorithm 1) is behind
+``CraftConfig.focus_window``, off by default.
+
+Measured on SmolLM2 (float32, 16 RAG prompts of 5 chunks, chunks cached after the
+system prompt; teacher-forced KL against full prefill along its 16-token answer):
+cacheblend 0.15 gave KL 0.077 at 19.9% of token-layers, cachecraft capped at 0.15
+0.038 at 17.0% (lower on 16 of 16 prompts); at 0.30, cacheblend 0.043 at 33.8% and
+cachecraft 0.027 at 31.2%; cachecraft uncapped (alpha 1) 0.007 at 66%.  Algorithm 1 with w = 3 settled at layer
+2 of 30 on most prompts and raised the uncapped KL from 0.007 to 0.052.
 """
 
 from __future__ import annotations

@@ -306,6 +306,19 @@ def test_the_variant_of_lowest_cfo_is_reused_and_counted(lm: LoadedModel) -> Non
     assert variants[1].reuse.frequency_reuse == pytest.approx(1 / cfos[1])
 
 
+def test_a_variant_in_its_own_context_is_reused_as_is(lm: LoadedModel) -> None:
+    request = [SYSTEM, B, A, QUESTION]
+    engine = ChunkEngine(lm)
+    engine.prefill(request, "cachecraft")
+    store = MemoryKVStore()  # only A's variant: SYSTEM and B are computed again
+    store.put(lm.fingerprint, engine.store.variants(lm.fingerprint, A.segment_id)[0])
+    out = ChunkEngine(lm, store).prefill(request, "cachecraft", ratio=1.0)
+    assert out.stats.extra["craft_cfo"] == [0.0]
+    assert out.stats.recomputed_tokens == 0
+    assert out.stats.reused_tokens == len(A.ids)
+    assert_exact(out.logits, full_logits(lm, request))
+
+
 @pytest.mark.parametrize("ratio", [0.2, 1.0])
 def test_stats_add_up(lm: LoadedModel, ratio: float) -> None:
     engine = ChunkEngine(lm, craft=NO_FOCUS)
