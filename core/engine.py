@@ -29,8 +29,9 @@ Measured on SmolLM2 (float32, 16 RAG prompts of 5 chunks, chunks cached after th
 system prompt; teacher-forced KL against full prefill along its 16-token answer):
 cacheblend 0.15 gave KL 0.077 at 19.9% of token-layers, cachecraft capped at 0.15
 0.038 at 17.0% (lower on 16 of 16 prompts); at 0.30, cacheblend 0.043 at 33.8% and
-cachecraft 0.027 at 31.2%; cachecraft uncapped (alpha 1) 0.007 at 66%.  Algorithm 1 with w = 3 settled at layer
-2 of 30 on most prompts and raised the uncapped KL from 0.007 to 0.052.
+cachecraft 0.027 at 31.2%; cachecraft uncapped (alpha 1) 0.007 at 66%.  Algorithm 1
+with w = 3 settled at layer 2 of 30 on most prompts and raised the uncapped KL from
+0.007 to 0.052.
 """
 
 from __future__ import annotations
