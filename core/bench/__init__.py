@@ -1,0 +1,1 @@
+"""Benchmarks and evaluation: RAG prompts, quality against full prefill, speed side by side."""

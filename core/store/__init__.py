@@ -1,0 +1,1 @@
+"""The tiered chunk-KV store: device, host, disk and Redis tiers behind :class:`KVStore`."""
