@@ -13,7 +13,7 @@ from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
-from chunkcache.core.models import LoadedModel, load_model
+from chunkcache.core.models import load_model
 from chunkcache.core.sampling import StopChecker
 from chunkcache.core.tokenization import SegmentTokenizer
 
@@ -28,7 +28,7 @@ class LocalBackend:
         self.model_name = model_name
         self.tokenizer = engine.lm.tokenizer
         self.segment_tokenizer = SegmentTokenizer(self.tokenizer)
-        self.eos_ids = _eos_ids(engine.lm)
+        self.eos_ids = engine.lm.eos_ids
         self._lock = threading.Lock()
 
     @classmethod
@@ -93,11 +93,3 @@ class LocalBackend:
         stats.completion_tokens = len(generated)
         stats.total_s = time.perf_counter() - started
         yield GenerationChunk(final[len(emitted) :], stats)
-
-
-def _eos_ids(lm: LoadedModel) -> frozenset[int]:
-    """Token ids that end the assistant's turn: generation config and tokenizer EOS."""
-    configured = getattr(lm.hf.generation_config, "eos_token_id", None)
-    ids = configured if isinstance(configured, list) else [configured]
-    ids.append(getattr(lm.tokenizer, "eos_token_id", None))
-    return frozenset(i for i in ids if i is not None)

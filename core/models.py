@@ -120,6 +120,14 @@ class LoadedModel:
         return next(self.hf.parameters()).device
 
     @property
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end the assistant's turn: generation config and tokenizer EOS."""
+        configured = getattr(self.hf.generation_config, "eos_token_id", None)
+        ids = list(configured) if isinstance(configured, list) else [configured]
+        ids.append(getattr(self.tokenizer, "eos_token_id", None))
+        return frozenset(i for i in ids if i is not None)
+
+    @property
     def decoder(self) -> Any:
         """The decoder stack: ``embed_tokens``, ``layers``, ``norm``."""
         return self.hf.model

@@ -1,0 +1,73 @@
+"""What every benchmark report carries: summary statistics and the machine it ran on."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 1])."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Mean, median and p99 of ``values``."""
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "p99": percentile(values, 0.99),
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def source_commit() -> str:
+    """The repository's commit, marked when tracked sources differ from it."""
+
+    def git(*args: str) -> str:
+        try:
+            run = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        except OSError:
+            return ""
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "core", "kernels")
+    return commit + (" + local changes" if changed else "")
+
+
+def environment(packages: Iterable[str] = ()) -> dict[str, str]:
+    """Machine, Python, chunkcache's commit and the versions of ``packages``."""
+    versions = {}
+    for name in ("chunkcache", *packages):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "commit": source_commit(),
+        **versions,
+    }
