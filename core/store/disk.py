@@ -1,0 +1,231 @@
+"""The disk tier: one directory, shared safely by several processes (RAG-DCache §III).
+
+Layout (every name a hash, :mod:`chunkcache.core.store.codec`)::
+
+    root/.lock                     filelock held while committing or evicting
+    root/.epoch                    bumped on every change; another number means rescan
+    root/v1/<ns>/<seg[:2]>/<seg>/<ctx>.safetensors   k, v
+    root/v1/<ns>/<seg[:2]>/<seg>/<ctx>.json          header; its presence commits the entry
+
+A write goes to temp files first (fsync), then, under the lock, the old header is removed,
+the data renamed into place, then the header (the commit), then the directory fsynced.  A
+process killed at any point leaves either the old entry, no entry, or the new entry, plus at
+worst a data file without a header or a temp file, both swept on the next open.  Reads take
+no lock: a header names a checksum of the data, verified on every read (codec.decode).
+The byte index is rebuilt from the directory on open, and again whenever another process
+changed the directory (``.epoch``), so capacity holds across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from filelock import FileLock
+
+from chunkcache.core.kv_store import KVVariant, ReuseCount
+from chunkcache.core.store import codec
+from chunkcache.core.store.codec import CorruptEntryError, EntryKey
+from chunkcache.core.store.tier import Evicted, Victim
+
+LAYOUT = f"v{codec.FORMAT_VERSION}"
+
+
+class DiskTier:
+    """Entries as safetensors + JSON files under ``root``, at most ``capacity_bytes``."""
+
+    def __init__(self, root: str | Path, capacity_bytes: int, name: str = "disk") -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"{name}: capacity_bytes must be positive")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.root = Path(root)
+        self.data_root = self.root / LAYOUT
+        self.data_root.mkdir(parents=True, exist_ok=True)
+        self._flock = FileLock(str(self.root / ".lock"))
+        self._lock = threading.RLock()
+        self._sizes: dict[EntryKey, int] = {}
+        self._epoch = ""
+        with self._locked():
+            self._sweep()
+            self._rescan()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: EntryKey) -> bool:
+        return self._paths(key)[1].exists()
+
+    def entry_keys(self) -> list[EntryKey]:
+        with self._lock:
+            return list(self._sizes)
+
+    def segment_keys(self, namespace: str, segment: str) -> list[EntryKey]:
+        folder = self.data_root / namespace / segment[:2] / segment
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return []
+        return [EntryKey(namespace, segment, n[:-5]) for n in names if n.endswith(".json")]
+
+    def reuse_of(self, key: EntryKey) -> ReuseCount | None:
+        """The reuse counters saved in an entry's header (for a policy that needs them)."""
+        try:
+            header = codec.parse_header(self._paths(key)[1].read_bytes())
+            return ReuseCount(int(header["num_reuses"]), float(header["frequency_reuse"]))
+        except (OSError, CorruptEntryError, KeyError, TypeError, ValueError):
+            return None
+
+    def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        try:
+            return self._read(key, fingerprint)
+        except FileNotFoundError:
+            return None  # evicted by another process between lookup and read
+        except CorruptEntryError:
+            with self._locked():  # a writer may have been replacing it: look once more
+                try:
+                    return self._read(key, fingerprint)
+                except FileNotFoundError:
+                    return None
+                except CorruptEntryError:
+                    self._remove_files(key)
+                    raise
+
+    def put(
+        self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
+    ) -> bool:
+        data, header = codec.encode(fingerprint, variant)
+        raw = codec.header_bytes(header)
+        size = len(data) + len(raw)
+        if size > self.capacity_bytes:
+            return False
+        data_path, header_path = self._paths(key)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_data, tmp_header = _write_temp(data_path, data), _write_temp(header_path, raw)
+        try:
+            with self._locked():
+                self._remove_files(key)
+                while self._sizes and self.num_bytes + size > self.capacity_bytes:
+                    out = victim(list(self._sizes))
+                    evicted(out, functools.partial(self._load_quietly, out, fingerprint))
+                    self._remove_files(out)
+                os.replace(tmp_data, data_path)
+                os.replace(tmp_header, header_path)  # the commit
+                _fsync_dir(data_path.parent)
+                self._sizes[key] = size
+        finally:
+            for tmp in (tmp_data, tmp_header):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+        return True
+
+    def remove(self, key: EntryKey) -> None:
+        with self._locked():
+            self._remove_files(key)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _paths(self, key: EntryKey) -> tuple[Path, Path]:
+        folder = self.data_root / key.namespace / key.segment[:2] / key.segment
+        return folder / f"{key.context}.safetensors", folder / f"{key.context}.json"
+
+    def _read(self, key: EntryKey, fingerprint: str) -> KVVariant:
+        data_path, header_path = self._paths(key)
+        header = codec.parse_header(header_path.read_bytes())
+        return codec.decode(data_path.read_bytes(), header, fingerprint, key)
+
+    def _load_quietly(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        try:
+            return self._read(key, fingerprint)
+        except (OSError, CorruptEntryError):
+            return None  # another namespace's entry, or damaged: nothing to demote
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This thread and process alone in the directory, with an index that is current."""
+        with self._lock, self._flock:
+            if _read_epoch(self.root) != self._epoch:
+                self._rescan()
+            yield
+            self._epoch = _bump_epoch(self.root, self._epoch)
+
+    def _remove_files(self, key: EntryKey) -> None:
+        data_path, header_path = self._paths(key)
+        for path in (header_path, data_path):  # uncommit first
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._sizes.pop(key, None)
+
+    def _rescan(self) -> None:
+        sizes: dict[EntryKey, int] = {}
+        for header_path in self.data_root.glob("*/*/*/*.json"):
+            if header_path.name.startswith(".tmp."):
+                continue
+            ns, _, seg = header_path.parts[-4:-1]
+            data_path = header_path.with_suffix(".safetensors")
+            try:
+                sizes[EntryKey(ns, seg, header_path.stem)] = (
+                    header_path.stat().st_size + data_path.stat().st_size
+                )
+            except FileNotFoundError:
+                continue  # removed meanwhile, or a header without data: a miss when read
+        self._sizes = sizes
+        self._epoch = _read_epoch(self.root)
+
+    def _sweep(self) -> None:
+        """Remove what a killed writer left: data without a header, dead writers' temp files."""
+        for path in self.data_root.glob("*/*/*/*"):
+            if path.name.startswith(".tmp."):
+                if not _alive(int(path.name.split(".")[2])):
+                    path.unlink(missing_ok=True)
+            elif path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
+                path.unlink(missing_ok=True)
+
+
+def _write_temp(final: Path, payload: bytes) -> Path:
+    tmp = final.with_name(f".tmp.{os.getpid()}.{threading.get_ident()}.{final.name}")
+    with open(tmp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return tmp
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_epoch(root: Path) -> str:
+    try:
+        return (root / ".epoch").read_text()
+    except FileNotFoundError:
+        return "0"
+
+
+def _bump_epoch(root: Path, seen: str) -> str:
+    """Another value than any process saw, so every other process rescans."""
+    value = f"{os.getpid()}-{os.urandom(6).hex()}"
+    (root / ".epoch").write_text(value)
+    return value
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,199 @@
+"""The shared Redis tier: chunk KV shared between machines (DESIGN: Redis for scale-out).
+
+Each entry is one blob (codec.pack: JSON header with checksum and fingerprint, then the
+safetensors data) under ``chunkcache:v1:<ns>:<seg>:<ctx>``, every part a hash.  Capacity is
+kept by the server: a Lua script stores the blob and, atomically, evicts the least recently
+used entries (a global sorted set of access ticks) until the tier's bytes fit again, so any
+number of clients on any number of machines share one bounded tier.  Local policies do not
+apply here: no client sees the other clients' hits.
+
+Redis going away never fails a request: the first connection error logs one warning and
+marks the tier down; every call then misses at once, and after ``retry_after_s`` one call
+probes the server again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.store import codec
+from chunkcache.core.store.codec import CorruptEntryError, EntryKey
+from chunkcache.core.store.tier import Evicted, Victim
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PUT = """
+local entry, segset, lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local blob, ctx, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local size = string.len(blob)
+if size > cap then return -1 end
+local old = redis.call('HGET', sizes, entry)
+if old then redis.call('DECRBY', total, old) end
+redis.call('SET', entry, blob)
+redis.call('SADD', segset, ctx)
+redis.call('HSET', sizes, entry, size)
+redis.call('ZADD', lru, redis.call('INCR', clock), entry)
+local used = redis.call('INCRBY', total, size)
+local evicted = 0
+while used > cap do
+  local victim = redis.call('ZRANGE', lru, 0, 0)[1]
+  if not victim then break end
+  local vsize = tonumber(redis.call('HGET', sizes, victim) or '0')
+  redis.call('ZREM', lru, victim)
+  redis.call('HDEL', sizes, victim)
+  redis.call('DEL', victim)
+  local cut = string.find(victim, ':[^:]*$')
+  redis.call('SREM', string.sub(victim, 1, cut - 1), string.sub(victim, cut + 1))
+  used = redis.call('DECRBY', total, vsize)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+_TOUCH = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])
+end
+return 0
+"""
+
+_REMOVE = """
+local vsize = redis.call('HGET', KEYS[3], KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], KEYS[1])
+redis.call('HDEL', KEYS[3], KEYS[1])
+if vsize then redis.call('DECRBY', KEYS[5], vsize) end
+return 0
+"""
+
+
+class RedisTier:
+    """Entries in a Redis server at ``url``, at most ``capacity_bytes`` (server-enforced)."""
+
+    self_evicting = True  # the server picks victims; local policies do not apply
+
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int,
+        name: str = "redis",
+        prefix: str = "chunkcache:v1",
+        timeout_s: float = 1.0,
+        retry_after_s: float = 30.0,
+    ) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"{name}: capacity_bytes must be positive")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.prefix = prefix
+        self.retry_after_s = retry_after_s
+        self.num_errors = 0
+        self.num_evictions = 0
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._put = self._client.register_script(_PUT)
+        self._touch = self._client.register_script(_TOUCH)
+        self._remove = self._client.register_script(_REMOVE)
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self._guard(self._client.ping, False)
+
+    @property
+    def up(self) -> bool:
+        return self._down_since is None
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self._guard(lambda: self._client.get(self._k("bytes")) or 0, 0))
+
+    def __len__(self) -> int:
+        return int(self._guard(lambda: self._client.hlen(self._k("sizes")), 0))
+
+    def __contains__(self, key: EntryKey) -> bool:
+        return bool(self._guard(lambda: self._client.exists(self._entry(key)), 0))
+
+    def entry_keys(self) -> list[EntryKey]:
+        return []  # the server chooses victims
+
+    def segment_keys(self, namespace: str, segment: str) -> list[EntryKey]:
+        members: set[bytes] = self._guard(
+            lambda: self._client.smembers(self._k(namespace, segment)), set()
+        )
+        return [EntryKey(namespace, segment, m.decode()) for m in members]
+
+    def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        entry = self._entry(key)
+        blob = self._guard(lambda: self._client.get(entry), None)
+        if blob is None:
+            return None
+        try:
+            data, header = codec.unpack(blob)
+            variant = codec.decode(data, header, fingerprint, key)
+        except CorruptEntryError:
+            self.remove(key)
+            raise
+        self._guard(lambda: self._touch(keys=[self._k("lru"), self._k("clock")], args=[entry]), 0)
+        return variant
+
+    def put(
+        self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
+    ) -> bool:
+        data, header = codec.encode(fingerprint, variant)
+        blob = codec.pack(data, header)
+        keys = [self._entry(key), self._k(key.namespace, key.segment)]
+        keys += [self._k("lru"), self._k("sizes"), self._k("bytes"), self._k("clock")]
+        args: list[bytes | str | int] = [blob, key.context, self.capacity_bytes]
+        result = int(self._guard(lambda: self._put(keys=keys, args=args), -1))
+        self.num_evictions += max(0, result)
+        return result >= 0
+
+    def remove(self, key: EntryKey) -> None:
+        keys = [self._entry(key), self._k(key.namespace, key.segment), self._k("sizes")]
+        keys += [self._k("lru"), self._k("bytes")]
+        self._guard(lambda: self._remove(keys=keys, args=[key.context]), 0)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    def _entry(self, key: EntryKey) -> str:
+        return self._k(key.namespace, key.segment, key.context)
+
+    def _guard(self, call: Callable[[], Any], default: T) -> Any | T:
+        """``call()``, or ``default`` when the server is (or just went) away."""
+        with self._lock:
+            down = self._down_since
+            if down is not None and time.monotonic() - down < self.retry_after_s:
+                return default
+        try:
+            result = call()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+            self.num_errors += 1
+            with self._lock:
+                if self._down_since is None:
+                    log.warning(
+                        "Redis tier %s is down (%s): using the local tiers", self.name, error
+                    )
+                self._down_since = time.monotonic()
+            return default
+        except redis.RedisError as error:
+            self.num_errors += 1
+            log.warning("Redis tier %s: %s", self.name, error)
+            return default
+        with self._lock:
+            if self._down_since is not None:
+                log.warning("Redis tier %s is back", self.name)
+                self._down_since = None
+        return result

@@ -1,0 +1,310 @@
+"""The tiered chunk-KV store: device / host / disk / Redis behind the engine's KVStore.
+
+A variant lives in the fastest tier that holds it.  A hit in a lower tier copies it up to
+the fastest tier (promotion) and leaves the lower copy where it is; when the fastest tier is
+full its policy picks a victim, which moves one tier down unless a lower tier already holds a
+copy, in which case it is just dropped (RAGCache §5.1, swap out only once, multi-level
+eviction); the last tier drops for good.  Cache-Craft §3.5 keeps frequently reused variants
+high the same way.  A corrupt entry found in any tier is dropped, counted and treated as a
+miss (the engine recomputes it).  Every count is in :meth:`TieredKVStore.metrics`; one
+request's counts come from :meth:`TieredKVStore.track`.
+
+Example::
+
+    store = TieredKVStore([MemoryTier("host", 2**30), DiskTier(path, 2**34)], policy="pgdsf")
+    engine = ChunkEngine(lm, store)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.store.codec import CorruptEntryError, EntryKey, entry_key, namespace_of
+from chunkcache.core.store.codec import segment_of as segment_hash
+from chunkcache.core.store.cost import PrefillCostModel
+from chunkcache.core.store.metrics import StoreMetrics, StoreUsage
+from chunkcache.core.store.policies import EntryStats, EvictionPolicy, PGDSFPolicy, make_policy
+from chunkcache.core.store.tier import Loader, Tier
+
+log = logging.getLogger(__name__)
+
+
+class TieredKVStore:
+    """A :class:`~chunkcache.core.kv_store.KVStore` over ``tiers``, fastest first.
+
+    ``policy`` names the eviction policy every local tier runs (``lru``, ``lfu``, ``pgdsf``,
+    ``cachecraft``); the Redis tier evicts least recently used, server-side.
+    ``write_through`` also writes every new variant to the persistent tiers (disk, Redis)
+    at once, so other processes and the next start see it without waiting for an eviction.
+    """
+
+    def __init__(
+        self, tiers: Sequence[Tier], policy: str = "lru", write_through: bool = False
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers = list(tiers)
+        self.policy_name = policy
+        self.write_through = write_through
+        self.cost_model = PrefillCostModel()
+        self.policies = [make_policy(policy) for _ in self.tiers]
+        for p in self.policies:
+            if isinstance(p, PGDSFPolicy):
+                p.default_cost = self._estimated_cost
+        self.stats: dict[EntryKey, EntryStats] = {}
+        self._metrics = StoreMetrics([t.name for t in self.tiers])
+        self._tick = 0
+        self._lock = threading.RLock()
+        self._prefetcher: ThreadPoolExecutor | None = None
+
+    # -- KVStore ---------------------------------------------------------------------------
+
+    def put(self, fingerprint: str, variant: KVVariant) -> None:
+        key = entry_key(fingerprint, variant.segment_id, variant.context)
+        self._metrics.store("puts")
+        with self._lock:
+            stats = self._touch(key, variant, count=True)
+            stats.reuse = variant.reuse
+            self._insert(0, key, fingerprint, variant)
+            if self.write_through:
+                for i in range(1, len(self.tiers)):
+                    if key not in self.tiers[i]:
+                        self._insert(i, key, fingerprint, variant, fall_through=False)
+
+    def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
+        key = entry_key(fingerprint, segment_id, context)
+        self._metrics.store("lookups")
+        for i in range(len(self.tiers)):
+            variant = self._load(i, key, fingerprint)
+            if variant is not None and variant.exact:
+                self._metrics.store("hits")
+                return self._hit(i, key, fingerprint, variant)
+            self._metrics.tier(self.tiers[i].name, "misses")
+        self._metrics.store("misses")
+        return None
+
+    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+        ns, seg = namespace_of(fingerprint), segment_hash(segment_id)
+        self._metrics.store("lookups")
+        found: dict[EntryKey, KVVariant] = {}
+        for i, tier in enumerate(self.tiers):
+            for key in tier.segment_keys(ns, seg):
+                if key not in found and (variant := self._load(i, key, fingerprint)) is not None:
+                    found[key] = self._hit(i, key, fingerprint, variant, count=False)
+            if not any(k in tier for k in found):
+                self._metrics.tier(tier.name, "misses")
+        self._metrics.store("hits" if found else "misses")
+        with self._lock:  # most recently used first, then all touched in that order
+            order = sorted(found, key=lambda k: -self._stats_of(k).last_used)
+            for key in reversed(order):
+                self._touch(key, found[key], count=True)
+                self._retouch(key)
+        return [found[key] for key in order]
+
+    # -- beyond KVStore --------------------------------------------------------------------
+
+    def record_prefill(
+        self,
+        fingerprint: str,
+        computed: Sequence[tuple[str, str]],
+        cached_tokens: int,
+        new_tokens: int,
+        seconds: float,
+    ) -> None:
+        """One prefill took ``seconds`` for ``new_tokens`` after ``cached_tokens`` reused ones,
+        computing the ``(segment_id, context)`` variants in ``computed``: PGDSF's cost
+        (RAGCache Formula 4, Cost_i / NewSize_i) for each, and a profile point."""
+        self.cost_model.record(cached_tokens, new_tokens, seconds)
+        with self._lock:
+            for segment_id, context in computed:
+                key = entry_key(fingerprint, segment_id, context)
+                if key in self.stats:
+                    self.stats[key].record_cost(seconds, new_tokens)
+                    self._retouch(key)
+
+    def prefetch(self, fingerprint: str, segment_ids: Sequence[str]) -> Future[int]:
+        """Start copying every stored variant of ``segment_ids`` up to the fastest tier in the
+        background, e.g. while the request waits in a queue (RAG-DCache §III, Cache-Craft
+        §3.5).  The future gives the number of variants moved up."""
+        with self._lock:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-prefetch")
+        return self._prefetcher.submit(self._promote_segments, fingerprint, list(segment_ids))
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters and gauges: ``{"policy", "lookups", "hits", "misses", "puts",
+        "corrupt_dropped", "tiers": {name: {capacity_bytes, bytes, entries, hits, misses,
+        evictions, demotions, promotions, prefetched, corrupt_dropped, load_seconds}}}``."""
+        out = self._metrics.snapshot()
+        for tier in self.tiers:
+            counts = out["tiers"][tier.name]
+            counts.update(capacity_bytes=tier.capacity_bytes, bytes=tier.num_bytes)
+            counts["entries"] = len(tier)
+            if hasattr(tier, "up"):
+                counts["up"] = tier.up
+        out["corrupt_dropped"] = sum(c["corrupt_dropped"] for c in out["tiers"].values())
+        out["policy"] = self.policy_name
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters only (cheap): pass two of them to :func:`metrics.delta`."""
+        return self._metrics.snapshot()
+
+    @contextmanager
+    def track(self) -> Iterator[StoreUsage]:
+        """This request's store counts: ``with store.track() as usage: ...; usage.as_dict()``."""
+        with self._metrics.track() as usage:
+            yield usage
+
+    def close(self) -> None:
+        """Wait for prefetches, then release the tiers' connections."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+        for tier in self.tiers:
+            close: Callable[[], None] | None = getattr(tier, "close", None)
+            if close is not None:
+                close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _load(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        tier = self.tiers[i]
+        started = time.perf_counter()
+        try:
+            variant = tier.get(key, fingerprint)
+        except CorruptEntryError as error:
+            log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
+            self._metrics.tier(tier.name, "corrupt_dropped")
+            return None
+        if variant is not None and i > 0:
+            self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
+        return variant
+
+    def _hit(
+        self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, count: bool = True
+    ) -> KVVariant:
+        self._metrics.tier(self.tiers[i].name, "hits")
+        with self._lock:
+            variant = self._adopt(key, variant)
+            if count:
+                self._touch(key, variant, count=True)
+            if i > 0:
+                variant = self._promote(i, key, fingerprint, variant)
+            self._retouch(key)
+        return variant
+
+    def _promote(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> KVVariant:
+        """Copy up to the fastest tier; the lower copy stays (swap out only once)."""
+        placed = self._insert(0, key, fingerprint, variant, fall_through=False)
+        if placed == 0:
+            self._metrics.tier(self.tiers[i].name, "promotions")
+            return self.tiers[0].get(key, fingerprint) or variant
+        return variant
+
+    def _insert(
+        self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, fall_through: bool = True
+    ) -> int | None:
+        """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in."""
+        for j in range(i, len(self.tiers) if fall_through else i + 1):
+            policy = self.policies[j]
+            tier = self.tiers[j]
+
+            def victim(keys: list[EntryKey], policy: EvictionPolicy = policy) -> EntryKey:
+                return policy.victim([k for k in keys if k != key], self._stats_of)
+
+            def evicted(out: EntryKey, loader: Loader, j: int = j) -> None:
+                self._evicted(j, out, fingerprint, loader)
+
+            if tier.put(key, fingerprint, variant, victim, evicted):
+                policy.touched(key, self._stats_of(key))
+                return j
+        return None
+
+    def _evicted(self, i: int, key: EntryKey, fingerprint: str, loader: Loader) -> None:
+        """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below."""
+        self._metrics.tier(self.tiers[i].name, "evictions")
+        self.policies[i].evicted(key, self._stats_of(key))
+        lower = self.tiers[i + 1 :]
+        if not lower or any(key in tier for tier in lower):
+            return
+        variant = loader()
+        if variant is not None and self._insert(i + 1, key, fingerprint, variant) is not None:
+            self._metrics.tier(self.tiers[i].name, "demotions")
+
+    def _promote_segments(self, fingerprint: str, segment_ids: list[str]) -> int:
+        ns, moved = namespace_of(fingerprint), 0
+        for segment_id in segment_ids:
+            seg = segment_hash(segment_id)
+            top = set(self.tiers[0].segment_keys(ns, seg))
+            for i in range(1, len(self.tiers)):
+                for key in self.tiers[i].segment_keys(ns, seg):
+                    if key in top or (variant := self._load(i, key, fingerprint)) is None:
+                        continue
+                    with self._lock:
+                        self._touch(key, variant, count=False)
+                        if self._insert(0, key, fingerprint, self._adopt(key, variant), False) == 0:
+                            self._metrics.tier(self.tiers[i].name, "prefetched")
+                            top.add(key)
+                            moved += 1
+        return moved
+
+    def _stats_of(self, key: EntryKey) -> EntryStats:
+        stats = self.stats.get(key)
+        if stats is None:  # stored by another process or an earlier run
+            stats = self.stats[key] = EntryStats(0, 0)
+            for tier in self.tiers:
+                reuse_of = getattr(tier, "reuse_of", None)
+                reuse = reuse_of(key) if reuse_of is not None else None
+                if reuse is not None:
+                    stats.reuse = reuse
+                    break
+        return stats
+
+    def _touch(self, key: EntryKey, variant: KVVariant, count: bool) -> EntryStats:
+        self._tick += 1
+        stats = self._stats_of(key)
+        stats.num_bytes, stats.num_tokens = variant.num_bytes, variant.num_tokens
+        stats.last_used = self._tick
+        stats.frequency += count
+        return stats
+
+    def _retouch(self, key: EntryKey) -> None:
+        """Let PGDSF recompute the priority of ``key`` in each local tier that holds it
+        (Algorithm 1 line 9); the other policies read the statistics when they evict."""
+        stats = self._stats_of(key)
+        for tier, policy in zip(self.tiers, self.policies, strict=True):
+            local = not getattr(tier, "self_evicting", False)
+            if isinstance(policy, PGDSFPolicy) and local and key in tier:
+                policy.touched(key, stats)
+
+    def _adopt(self, key: EntryKey, variant: KVVariant) -> KVVariant:
+        """One live reuse counter per entry: a copy loaded from below shares it."""
+        stats = self._stats_of(key)
+        if stats.reuse is variant.reuse:
+            return variant
+        if stats.reuse.frequency_reuse < variant.reuse.frequency_reuse:
+            stats.reuse.num_reuses = variant.reuse.num_reuses
+            stats.reuse.frequency_reuse = variant.reuse.frequency_reuse
+        return KVVariant(
+            variant.segment_id,
+            variant.context,
+            variant.start,
+            variant.exact,
+            variant.k,
+            variant.v,
+            variant.meta,
+            stats.reuse,
+        )
+
+    def _estimated_cost(self, stats: EntryStats) -> float:
+        """Per-token cost of an entry no request measured: from the prefill profile."""
+        if len(self.cost_model) == 0 or stats.num_tokens == 0:
+            return 1.0
+        return self.cost_model.per_token(0, stats.num_tokens)

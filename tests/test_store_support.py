@@ -1,0 +1,78 @@
+"""Helpers for the tiered-store tests: tiny synthetic variants and a real redis-server.
+
+(Named ``test_store_*`` to sit with the store tests; it holds no tests itself.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from chunkcache.core.kv_store import ROOT_CONTEXT, KVVariant
+
+FP = "tiny-model-fingerprint"
+
+
+def make_variant(
+    segment_id: str,
+    context: str = ROOT_CONTEXT,
+    num_tokens: int = 4,
+    seed: int = 0,
+    exact: bool = True,
+    start: int = 0,
+) -> KVVariant:
+    """A variant of 2 layers x 1 KV head x ``num_tokens`` x 4 dims of float32 (32 B a token
+    for k and v together), filled from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 1, num_tokens, 4, generator=gen)
+    v = torch.randn(2, 1, num_tokens, 4, generator=gen)
+    return KVVariant(segment_id, context, start, exact, k, v)
+
+
+def same_kv(a: KVVariant | None, b: KVVariant) -> bool:
+    return a is not None and torch.equal(a.k.cpu(), b.k) and torch.equal(a.v.cpu(), b.v)
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of every committed entry file under a disk tier's root."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
+
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def redis_server(tmp: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``redis-server`` on a free loopback port, no persistence; its url and process."""
+    assert REDIS_SERVER is not None
+    port = free_port()
+    args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    args += ["--appendonly", "no", "--dir", str(tmp)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        proc.kill()
+        proc.wait()

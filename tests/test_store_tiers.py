@@ -1,0 +1,163 @@
+"""Tiered store: placement, promotion, swap-out-only-once demotion, capacity, metrics."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from test_store_support import FP, make_variant, same_kv, tree_bytes
+
+from chunkcache.core.kv_store import KVStore
+from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore, delta
+
+VARIANT_BYTES = make_variant("x").num_bytes  # 256
+
+
+def host_disk(tmp_path: Path, host_entries: int = 2, disk_bytes: int = 100_000) -> TieredKVStore:
+    host = MemoryTier("host", host_entries * VARIANT_BYTES)
+    return TieredKVStore([host, DiskTier(tmp_path / "kv", disk_bytes)], policy="lru")
+
+
+def test_is_a_kv_store(tmp_path: Path) -> None:
+    store: KVStore = host_disk(tmp_path)
+    a = make_variant("a")
+    store.put(FP, a)
+    assert same_kv(store.exact(FP, "a", a.context), a)
+    assert store.exact(FP, "a", "another context") is None
+    assert [v.context for v in store.variants(FP, "a")] == [a.context]
+
+
+def test_approximate_variant_is_no_exact_hit(tmp_path: Path) -> None:
+    store = host_disk(tmp_path)
+    store.put(FP, make_variant("a", "ctx", exact=False))
+    assert store.exact(FP, "a", "ctx") is None
+    assert len(store.variants(FP, "a")) == 1
+
+
+def test_variants_are_most_recently_used_first(tmp_path: Path) -> None:
+    store = host_disk(tmp_path, host_entries=8)
+    for ctx in ("c1", "c2", "c3"):
+        store.put(FP, make_variant("a", ctx))
+    store.exact(FP, "a", "c1")
+    assert [v.context for v in store.variants(FP, "a")] == ["c1", "c3", "c2"]
+
+
+def test_eviction_demotes_and_a_hit_promotes(tmp_path: Path) -> None:
+    store = host_disk(tmp_path)
+    a, b, c = (make_variant(s, seed=i) for i, s in enumerate("abc"))
+    for v in (a, b, c):
+        store.put(FP, v)
+    host, disk = store.tiers
+    assert isinstance(host, MemoryTier)
+    assert {k.segment for k in host.entry_keys()} == {_seg("b"), _seg("c")}
+    assert len(disk) == 1  # a went down, not away
+    got = store.exact(FP, "a", a.context)
+    assert same_kv(got, a)
+    m = store.metrics()["tiers"]
+    assert m["disk"]["hits"] == 1 and m["host"]["misses"] == 1
+    assert m["disk"]["promotions"] == 1 and m["disk"]["load_seconds"] > 0
+    assert any(k.segment == _seg("a") for k in host.entry_keys())
+
+
+def test_swap_out_only_once(tmp_path: Path) -> None:
+    """RAGCache §5.1: an entry already copied below is freed, not copied again."""
+    store = host_disk(tmp_path, host_entries=1)
+    a, b = make_variant("a"), make_variant("b", seed=1)
+    store.put(FP, a)
+    store.put(FP, b)  # a -> disk (the one copy)
+    header = next((tmp_path / "kv").rglob("*.json"))
+    written = header.stat().st_mtime_ns
+    store.exact(FP, "a", a.context)  # promoted: host a, disk a; b -> disk
+    store.exact(FP, "b", b.context)  # promoted: a evicted from host, already on disk
+    m = store.metrics()["tiers"]["host"]
+    assert m["evictions"] == 3 and m["demotions"] == 2  # a once, b once
+    assert header.stat().st_mtime_ns == written
+    assert len(store.tiers[1]) == 2
+
+
+def test_too_big_for_host_goes_to_disk(tmp_path: Path) -> None:
+    store = host_disk(tmp_path, host_entries=1)
+    big = make_variant("big", num_tokens=40)
+    store.put(FP, big)
+    assert len(store.tiers[0]) == 0 and len(store.tiers[1]) == 1
+    assert same_kv(store.exact(FP, "big", big.context), big)
+
+
+def test_last_tier_drops(tmp_path: Path) -> None:
+    store = TieredKVStore([MemoryTier("host", 2 * VARIANT_BYTES)])
+    for s in "abc":
+        store.put(FP, make_variant(s))
+    assert store.exact(FP, "a", "root") is None
+    assert store.metrics()["tiers"]["host"]["evictions"] == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "pgdsf", "cachecraft"])
+def test_capacity_is_never_exceeded(tmp_path: Path, policy: str) -> None:
+    rng = random.Random(7)
+    host = MemoryTier("host", 1000)
+    disk = DiskTier(tmp_path / "kv", 6000)
+    store = TieredKVStore([host, disk], policy=policy)
+    names = [f"s{i}" for i in range(30)]
+    for step in range(300):
+        name = rng.choice(names)
+        if rng.random() < 0.4:
+            store.put(FP, make_variant(name, num_tokens=rng.randint(1, 12), seed=step))
+        elif rng.random() < 0.5:
+            store.exact(FP, name, "root")
+        else:
+            for v in store.variants(FP, name):
+                v.reuse.record(rng.random())
+        assert host.num_bytes <= host.capacity_bytes
+        assert disk.num_bytes <= disk.capacity_bytes
+        assert tree_bytes(tmp_path / "kv") <= disk.capacity_bytes
+    m = store.metrics()["tiers"]
+    assert m["host"]["evictions"] > 0 and m["disk"]["evictions"] > 0
+
+
+def test_per_request_usage_and_delta(tmp_path: Path) -> None:
+    store = host_disk(tmp_path, host_entries=1)
+    store.put(FP, make_variant("a"))
+    store.put(FP, make_variant("b"))
+    before = store.snapshot()
+    with store.track() as usage:
+        store.exact(FP, "a", "root")
+        store.exact(FP, "zzz", "root")
+    got = usage.as_dict()
+    assert got["lookups"] == 2 and got["hits"] == 1 and got["misses"] == 1
+    assert got["tiers"]["disk"]["hits"] == 1 and got["tiers"]["disk"]["misses"] == 1
+    assert got["tiers"]["host"]["misses"] == 2
+    d = delta(before, store.snapshot())
+    assert d["lookups"] == 2 and d["tiers"]["disk"]["promotions"] == 1
+    store.exact(FP, "a", "root")  # outside the request: not counted in it
+    assert usage.as_dict()["lookups"] == 2
+
+
+def test_reuse_counter_survives_demotion(tmp_path: Path) -> None:
+    store = host_disk(tmp_path, host_entries=1)
+    a = make_variant("a", "ctx", exact=False)
+    store.put(FP, a)
+    store.variants(FP, "a")[0].reuse.record(0.5)  # what the cachecraft planner does
+    store.put(FP, make_variant("b"))  # a -> disk with its counters
+    reopened = TieredKVStore([DiskTier(tmp_path / "kv", 100_000)])
+    (again,) = reopened.variants(FP, "a")
+    assert again.reuse.num_reuses == 1 and again.reuse.frequency_reuse == pytest.approx(2.0)
+
+
+def test_prefetch_moves_hits_up(tmp_path: Path) -> None:
+    store = host_disk(tmp_path, host_entries=4)
+    disk_only = TieredKVStore([DiskTier(tmp_path / "kv", 100_000)])
+    for s in "ab":
+        disk_only.put(FP, make_variant(s))
+    assert store.prefetch(FP, ["a", "b", "missing"]).result(timeout=30) == 2
+    assert len(store.tiers[0]) == 2
+    with store.track() as usage:
+        assert store.exact(FP, "a", "root") is not None
+    assert usage.as_dict()["tiers"] == {"host": {"hits": 1}}
+    store.close()
+
+
+def _seg(segment_id: str) -> str:
+    from chunkcache.core.store.codec import segment_of
+
+    return segment_of(segment_id)
