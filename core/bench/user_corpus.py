@@ -1,0 +1,219 @@
+"""A user's own corpus and questions for the benchmark, as :class:`CorpusChunk` lists.
+
+Three sources:
+
+- a folder of ``.txt`` / ``.md`` files, read recursively as UTF-8 and chunked the way
+  the bundled corpus is (paragraphs packed up to ``chunk_chars``, each chunk led by a
+  title line: here the file's path relative to the folder);
+- a persistent Chroma collection, one chunk per stored document, unchanged, so the
+  chunks are exactly what a retriever over that collection returns;
+- a questions file: JSON lines (``{"question": ..., "answer": ...}``, answer optional)
+  when it ends in ``.jsonl`` / ``.ndjson``, otherwise plain text, one question a line.
+
+>>> import pathlib, tempfile
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "notes.md").write_text("Velmora Tech was founded in 1923.", encoding="utf-8")
+>>> [chunk.text for chunk in load_text_folder(folder)]
+['notes.md\\nVelmora Tech was founded in 1923.']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
+from chunkcache.core.corpus import MIN_CHUNK_CHARS, CorpusChunk
+
+# The bundled corpus's section packer; exposing it under a public name is a change
+# to corpus.py left to its owner.
+from chunkcache.core.corpus import _split_section as split_section
+from chunkcache.core.errors import ChunkCacheError, InvalidChunkError
+
+TEXT_SUFFIXES = frozenset({".txt", ".md"})
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+_CHROMA_PAGE = 1000
+
+__all__ = [
+    "UserCorpusError",
+    "UserQuestion",
+    "load_chroma_corpus",
+    "load_questions",
+    "load_text_folder",
+]
+
+
+class UserCorpusError(ChunkCacheError, ValueError):
+    """A user's corpus or questions cannot be read: missing, empty or malformed."""
+
+
+@dataclass(frozen=True)
+class UserQuestion:
+    """A question from the user's file; ``answer`` is its gold answer when given."""
+
+    question: str
+    answer: str | None = None
+    kind: str = "user"
+
+
+def load_text_folder(folder: str | os.PathLike[str], chunk_chars: int = 1000) -> list[CorpusChunk]:
+    """Chunks of every ``.txt``/``.md`` file under ``folder``, in sorted path order.
+
+    Hidden files and folders are skipped, empty files too (with a warning); a file
+    that is not UTF-8 raises :class:`UserCorpusError`.  A chunk's ``title`` and
+    ``source`` are the file's relative path, its ``topic`` the first folder of that
+    path (or the file's stem for a file at the top).
+    """
+    if chunk_chars < MIN_CHUNK_CHARS:
+        raise ValueError(f"chunk_chars must be at least {MIN_CHUNK_CHARS}, got {chunk_chars}")
+    root = _existing(folder, "corpus folder")
+    if not root.is_dir():
+        raise UserCorpusError(f"corpus folder {root} is not a directory")
+    chunks: dict[str, CorpusChunk] = {}
+    num_files = 0
+    for path in _text_files(root):
+        num_files += 1
+        relative = path.relative_to(root)
+        text = _read_utf8(path)
+        if not text.strip():
+            warnings.warn(f"skipping empty file {path}", UserWarning, stacklevel=2)
+            continue
+        title = relative.as_posix()
+        topic = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+        pieces = list(split_section(title, text.strip(), chunk_chars))
+        if not pieces:
+            raise UserCorpusError(f"the path of {path} is too long for {chunk_chars}-char chunks")
+        for _, piece in pieces:
+            chunk = CorpusChunk(chunk_id(piece), piece, topic, title, title)
+            chunks.setdefault(chunk.chunk_id, chunk)
+    if not chunks:
+        found = f"only empty ones among {num_files} files" if num_files else "no .txt or .md files"
+        raise UserCorpusError(f"corpus folder {root} has {found}")
+    return list(chunks.values())
+
+
+def load_chroma_corpus(
+    persist_dir: str | os.PathLike[str], collection_name: str, embedding_function: Any = None
+) -> list[CorpusChunk]:
+    """The documents of a persistent Chroma collection, one chunk each, sorted by Chroma id.
+
+    A chunk's id is ``metadata["chunk_id"]`` if set, else the content hash (as
+    ``ChunkCacheRetriever`` assigns them); ``source`` is the Chroma id, ``title`` and
+    ``topic`` the metadata's ``title`` / ``topic`` (or ``source``) when present.
+    Entries without text are skipped with a warning.  Nothing is embedded: pass the
+    collection's ``embedding_function`` only if Chroma insists on it.
+    """
+    import chromadb
+    from chromadb.config import Settings
+    from chromadb.errors import NotFoundError
+
+    root = _existing(persist_dir, "Chroma directory")
+    client = chromadb.PersistentClient(path=root, settings=Settings(anonymized_telemetry=False))
+    try:
+        collection = client.get_collection(collection_name, embedding_function=embedding_function)
+    except NotFoundError as error:
+        names = sorted(c.name for c in client.list_collections())
+        raise UserCorpusError(
+            f"no collection {collection_name!r} in {root} (it has: {', '.join(names) or 'none'})"
+        ) from error
+    chunks: list[CorpusChunk] = []
+    skipped: list[str] = []
+    for chroma_id, text, metadata in _chroma_entries(collection):
+        try:
+            if text is None or not text.strip():
+                raise InvalidChunkError("no text")
+            cid = chunk_id_for(text, metadata)
+        except InvalidChunkError:
+            skipped.append(chroma_id)
+            continue
+        title = _string(metadata, "title") or chroma_id
+        topic = _string(metadata, "topic") or _string(metadata, "source") or collection_name
+        chunks.append(CorpusChunk(cid, text, topic, title, chroma_id))
+    if skipped:
+        warnings.warn(
+            f"skipping {len(skipped)} entries of {collection_name!r} without usable text or id, "
+            f"e.g. {skipped[0]!r}",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not chunks:
+        raise UserCorpusError(f"collection {collection_name!r} in {root} has no documents")
+    return sorted(chunks, key=lambda chunk: chunk.source)
+
+
+def load_questions(path: str | os.PathLike[str]) -> list[UserQuestion]:
+    """Questions from a JSON-lines (``.jsonl``/``.ndjson``) or plain-text file.
+
+    JSON lines are objects with a non-empty string ``question`` and an optional
+    ``answer`` (string or number, or null); blank lines are skipped in both formats.
+    """
+    file = _existing(path, "questions file")
+    jsonl = file.suffix.lower() in JSONL_SUFFIXES
+    questions: list[UserQuestion] = []
+    for number, line in enumerate(_read_utf8(file).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{file}:{number}"
+        questions.append(_json_question(line, where) if jsonl else UserQuestion(line.strip()))
+    if not questions:
+        raise UserCorpusError(f"questions file {file} has no questions")
+    return questions
+
+
+def _json_question(line: str, where: str) -> UserQuestion:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise UserCorpusError(f"{where}: not JSON ({error.msg})") from error
+    question = record.get("question") if isinstance(record, dict) else None
+    if not isinstance(question, str) or not question.strip():
+        raise UserCorpusError(f'{where}: need an object with a non-empty string "question"')
+    answer = record.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float | None):
+        raise UserCorpusError(f'{where}: "answer" must be a string or a number')
+    return UserQuestion(question.strip(), None if answer is None else str(answer))
+
+
+def _existing(path: str | os.PathLike[str], what: str) -> Path:
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise UserCorpusError(f"{what} {resolved} does not exist")
+    return resolved
+
+
+def _text_files(root: Path) -> Iterator[Path]:
+    for path in sorted(root.rglob("*")):
+        hidden = any(part.startswith(".") for part in path.relative_to(root).parts)
+        if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES and not hidden:
+            yield path
+
+
+def _read_utf8(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UserCorpusError(
+            f"{path} is not UTF-8 (byte {error.start}: {error.reason}); convert it first, "
+            f"e.g. iconv -f latin1 -t utf-8"
+        ) from error
+
+
+def _chroma_entries(collection: Any) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    """(id, document, metadata) of every entry, a page at a time."""
+    for offset in range(0, collection.count(), _CHROMA_PAGE):
+        page = collection.get(limit=_CHROMA_PAGE, offset=offset, include=["documents", "metadatas"])
+        documents = page["documents"] or [None] * len(page["ids"])
+        metadatas = page["metadatas"] or [None] * len(page["ids"])
+        for entry in zip(page["ids"], documents, metadatas, strict=True):
+            yield entry[0], entry[1], dict(entry[2] or {})
+
+
+def _string(metadata: dict[str, Any], key: str) -> str | None:
+    value = metadata.get(key)
+    return value if isinstance(value, str) and value.strip() else None
