@@ -93,7 +93,7 @@ class GoldWorkload:
 
 
 def make_gold_workload(config: GoldConfig | None = None) -> GoldWorkload:
-    """The seeded world written as chunks of ~150-250 words, and questions on it in a
+    """The seeded world in chunks of 150-250 words (240-300 SmolLM2 tokens), and questions in a
     seeded order (any prefix is a fair mix of subjects and kinds)."""
     config = config or GoldConfig()
     if min(config.num_companies - 1, config.companies_per_chunk, config.products_per_chunk) < 1:

@@ -62,10 +62,6 @@ _COMPANY_NEWS = (
         "Analysts expect {c} to report a quiet quarter with steady orders. ",
         "{c} has opened a small training centre for apprentices. ",
     ),
-    (
-        "A spokesperson for {c} declined to comment on rumours of a merger. ",
-        "{c} plans to publish its first sustainability report next year. ",
-    ),
 )
 _PRODUCT_NEWS = (
     ("The {p} won the {event} Design Prize, judged by a panel of craftsmen. ",),
@@ -73,10 +69,6 @@ _PRODUCT_NEWS = (
     (
         "Owners of the {p} say it needs little care after the first month. ",
         "Some shops have run out of the {p} after a favourable magazine review. ",
-    ),
-    (
-        "A repair guide for the {p} is now free to download from user forums. ",
-        "Collectors already trade early units of the {p} at twice the price. ",
     ),
 )
 
