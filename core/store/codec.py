@@ -8,7 +8,7 @@ every path or Redis key is made from those digests.  An entry is two parts:
 - the *header*: JSON with the raw fingerprint, segment id and context (checked on read, so a
   hash collision or a file copied between namespaces is caught), start, exact, Cache-Craft
   metadata (:class:`CraftMeta` as JSON), the reuse counters, the tensors' dtype and shape,
-  the format version and a blake2b checksum of the data blob.
+  the format version and a blake2b checksum over the other header fields and the data.
 
 The disk tier keeps the two parts in two files (the header written last, as the commit); the
 Redis tier keeps them in one blob (:func:`pack`).  Nothing here is pickle.
@@ -69,9 +69,13 @@ def entry_key(fingerprint: str, segment_id: str, context: str) -> EntryKey:
     )
 
 
-def checksum(data: bytes) -> str:
-    """blake2b-256 of a data blob, hex."""
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+def checksum(data: bytes, header: dict[str, Any]) -> str:
+    """blake2b-256 over the header's other fields (canonical JSON) and the data blob, hex:
+    a flipped byte in the tensors or in any field (start, exact, metadata) is caught."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(header_bytes({k: v for k, v in header.items() if k != "checksum"}))
+    h.update(data)
+    return h.hexdigest()
 
 
 def encode(fingerprint: str, variant: KVVariant) -> tuple[bytes, dict[str, Any]]:
@@ -90,9 +94,9 @@ def encode(fingerprint: str, variant: KVVariant) -> tuple[bytes, dict[str, Any]]
         "meta": variant.meta.to_json() if variant.meta is not None else None,
         "num_reuses": variant.reuse.num_reuses,
         "frequency_reuse": variant.reuse.frequency_reuse,
-        "checksum": checksum(data),
         "num_bytes": len(data),
     }
+    header["checksum"] = checksum(data, header)
     return data, header
 
 
@@ -109,7 +113,7 @@ def decode(data: bytes, header: dict[str, Any], fingerprint: str, key: EntryKey)
             raise CorruptEntryError("entry belongs to another model fingerprint")
         if entry_key(fingerprint, header["segment_id"], header["context"]) != key:
             raise CorruptEntryError("entry does not match its key")
-        if len(data) != header["num_bytes"] or checksum(data) != header["checksum"]:
+        if len(data) != header["num_bytes"] or checksum(data, header) != header["checksum"]:
             raise CorruptEntryError("checksum mismatch")
         tensors = st_load(data)
         k, v = tensors["k"], tensors["v"]
