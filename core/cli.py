@@ -1,12 +1,15 @@
 """The ``chunkcache`` command line.
 
 chunkcache models pull [PATH]   install the default model (or check a local one)
+chunkcache bench engine         recompute policies against full prefill (see --help)
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+
+from chunkcache.core.bench.cli import add_bench_parser
 
 
 def _models_pull(args: argparse.Namespace) -> None:
@@ -28,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull = models.add_parser("pull", help="install the default model, or check one by path")
     pull.add_argument("path", nargs="?", help="a local checkpoint directory or GGUF file")
     pull.set_defaults(run=_models_pull)
+    add_bench_parser(commands)
     return parser
 
 

@@ -120,4 +120,9 @@ def evaluate_quality(
         for a, b in KL_PAIRS
         if a in names and b in names
     }
-    return {"summary": summary, "tf_kl_wins": wins, "per_prompt": per_prompt}
+    return {
+        "answer_tokens": answer_tokens,
+        "summary": summary,
+        "tf_kl_wins": wins,
+        "per_prompt": per_prompt,
+    }

@@ -1,0 +1,133 @@
+"""``chunkcache bench engine``: every recompute policy against a full prefill.
+
+Builds seeded RAG prompts over the bundled corpus (:mod:`.rag_prompts`), warms a
+fresh store per prompt with every chunk computed after the system prefix
+(:mod:`.policies`), then runs each policy: full, prefix, reuse, cacheblend at
+0.05/0.15/0.30 and cachecraft.  Quality (float32, :mod:`.quality`) and speed
+(bfloat16, :mod:`.speed`) are separate parts; running one part alone keeps the other
+from the previous report if it was made on the same prompts.  Each part records the
+commit and machine it ran on.  Writes ``engine.json`` and ``engine.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkcache.core.bench.engine_report import markdown, targets
+from chunkcache.core.bench.policies import POLICY_RUNS
+from chunkcache.core.bench.quality import evaluate_quality
+from chunkcache.core.bench.rag_prompts import RagPrompt, build_rag_prompts
+from chunkcache.core.bench.report import environment, summarize
+from chunkcache.core.bench.speed import evaluate_speed
+from chunkcache.core.corpus import CorpusChunk, load_corpus
+from chunkcache.core.models import load_model
+from chunkcache.core.tokenization import SegmentTokenizer
+
+PARTS = ("quality", "speed")
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What one engine benchmark run measures, and where it writes."""
+
+    prompts: int = 50
+    seed: int = 0
+    rounds: int = 3  # timed rounds per prompt; each item's best is kept
+    answer_tokens: int = 32
+    parts: tuple[str, ...] = PARTS
+    out: Path = field(default_factory=lambda: Path("docs/benchmarks"))
+
+
+def corpus_search(question: str, k: int) -> list[CorpusChunk]:
+    """The FAISS index of the bundled corpus (MiniLM embeddings), best first."""
+    from chunkcache.integrations.indexes import search_corpus
+
+    return [chunk for chunk, _ in search_corpus(question, "faiss", k)]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def part_environment() -> dict[str, str]:
+    """Machine, versions and commit of the code about to be measured."""
+    env = environment(("torch", "transformers"))
+    env["torch_threads"] = str(torch.get_num_threads())
+    return env
+
+
+def prompt_list(prompts: Sequence[RagPrompt], lengths: Sequence[int]) -> list[dict[str, Any]]:
+    return [
+        {
+            "question": p.question,
+            "asked": list(p.asked),
+            "chunk_ids": list(p.chunk_ids),
+            "tokens": n,
+        }
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+
+
+def previous_parts(path: Path, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parts of the report at ``path`` if it was made on the same prompts, else none."""
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if previous.get("prompt_list") != prompts:
+        return {}
+    return {part: previous[part] for part in PARTS if part in previous}
+
+
+def run_engine_bench(config: EngineBenchConfig, command: str) -> dict[str, Any]:
+    """Run the requested parts, write ``engine.json`` and ``engine.md``, return the report."""
+    unknown = set(config.parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    torch.manual_seed(config.seed)
+    lm32 = load_model(dtype=torch.float32)
+    prompts = build_rag_prompts(
+        load_corpus(), corpus_search, lm32.tokenizer, config.prompts, config.seed
+    )
+    tokenize = SegmentTokenizer(lm32.tokenizer)
+    lengths = [sum(len(s.ids) for s in tokenize(p.segments)) for p in prompts]
+    listed = prompt_list(prompts, lengths)
+    json_path = config.out / "engine.json"
+    parts = previous_parts(json_path, listed)
+    if "quality" in config.parts:
+        env = part_environment()
+        quality = evaluate_quality(lm32, prompts, POLICY_RUNS, config.answer_tokens, log)
+        parts["quality"] = {**quality, "environment": env, "fingerprint": lm32.fingerprint}
+    del lm32
+    if "speed" in config.parts:
+        env = part_environment()
+        lm16 = load_model(dtype=torch.bfloat16)
+        speed = evaluate_speed(lm16, prompts, POLICY_RUNS, config.rounds, log)
+        parts["speed"] = {**speed, "environment": env, "fingerprint": lm16.fingerprint}
+    missing = [part for part in PARTS if part not in parts]
+    if missing:
+        raise RuntimeError(f"no {missing} part on these prompts yet: run with --part all")
+    report = {
+        "command": command,
+        "seed": config.seed,
+        "model": "SmolLM2-135M-Instruct",
+        "prompts": len(prompts),
+        "chunks_per_prompt": len(prompts[0].chunk_ids),
+        "answer_tokens": parts["quality"]["answer_tokens"],
+        "prompt_tokens": summarize(lengths),
+        "runs": [{"name": r.name, "policy": r.policy, "ratio": r.ratio} for r in POLICY_RUNS],
+        **parts,
+        "prompt_list": listed,
+    }
+    report["targets"] = targets(report["quality"], report["speed"])
+    config.out.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    (config.out / "engine.md").write_text(markdown(report))
+    return report
