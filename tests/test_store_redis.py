@@ -53,6 +53,7 @@ def test_write_through_shares_at_once(server: tuple[str, object]) -> None:
     writer = TieredKVStore([MemoryTier("host", 4 * SIZE), redis_tier(url)], write_through=True)
     a = make_variant("a")
     writer.put(FP, a)
+    writer.flush()
     reader = TieredKVStore([MemoryTier("host", 4 * SIZE), redis_tier(url)])
     assert same_kv(reader.exact(FP, "a", "root"), a)
 
@@ -111,6 +112,7 @@ def test_server_gone_mid_run_degrades_with_one_warning(
     question = TokenSegment(segment_key(ids(6, 2)), ids(6, 2), is_chunk=False)
     request = [system, *chunks, question]
     engine.prefill(request, "full")
+    store.flush()
     warm = engine.prefill(request, "prefix")
     assert warm.stats.reused_tokens == sum(len(s.ids) for s in request) - 1  # all but last
     assert store.metrics()["tiers"]["redis"]["hits"] > 0

@@ -11,6 +11,7 @@ request's counts come from :meth:`TieredKVStore.track`.
 
 Example::
 
+    store = TieredKVStore.from_settings(host_bytes=2**30, policy="pgdsf")  # or explicit tiers:
     store = TieredKVStore([MemoryTier("host", 2**30), DiskTier(path, 2**34)], policy="pgdsf")
     engine = ChunkEngine(lm, store)
 """
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey, entry_key, namespace_of
@@ -33,7 +34,11 @@ from chunkcache.core.store.metrics import StoreMetrics, StoreUsage
 from chunkcache.core.store.policies import EntryStats, EvictionPolicy, PGDSFPolicy, make_policy
 from chunkcache.core.store.tier import Loader, Tier
 
+if TYPE_CHECKING:
+    from chunkcache.core.store.settings import StoreSettings
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TieredKVStore:
@@ -41,8 +46,9 @@ class TieredKVStore:
 
     ``policy`` names the eviction policy every local tier runs (``lru``, ``lfu``, ``pgdsf``,
     ``cachecraft``); the Redis tier evicts least recently used, server-side.
-    ``write_through`` also writes every new variant to the persistent tiers (disk, Redis)
-    at once, so other processes and the next start see it without waiting for an eviction.
+    ``write_through`` also writes every new variant to the lower tiers (disk, Redis) on a
+    background thread, so other processes and the next start see it without waiting for an
+    eviction (RAG-DCache keeps chunk KV on disk); a later eviction then just drops the copy.
     """
 
     def __init__(
@@ -62,7 +68,7 @@ class TieredKVStore:
         self._metrics = StoreMetrics([t.name for t in self.tiers])
         self._tick = 0
         self._lock = threading.RLock()
-        self._prefetcher: ThreadPoolExecutor | None = None
+        self._background: ThreadPoolExecutor | None = None
 
     # -- KVStore ---------------------------------------------------------------------------
 
@@ -73,10 +79,8 @@ class TieredKVStore:
             stats = self._touch(key, variant, count=True)
             stats.reuse = variant.reuse
             self._insert(0, key, fingerprint, variant)
-            if self.write_through:
-                for i in range(1, len(self.tiers)):
-                    if key not in self.tiers[i]:
-                        self._insert(i, key, fingerprint, variant, fall_through=False)
+        if self.write_through and len(self.tiers) > 1:
+            self._submit(self._write_through, key, fingerprint, variant)
 
     def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
         key = entry_key(fingerprint, segment_id, context)
@@ -129,14 +133,25 @@ class TieredKVStore:
                     self.stats[key].record_cost(seconds, new_tokens)
                     self._retouch(key)
 
+    @classmethod
+    def from_settings(
+        cls, settings: StoreSettings | None = None, **overrides: Any
+    ) -> TieredKVStore:
+        """The store :class:`StoreSettings` describe (environment, file, ``overrides``)."""
+        from chunkcache.core.store.settings import StoreSettings, build_tiers
+
+        settings = settings if settings is not None else StoreSettings(**overrides)
+        return cls(build_tiers(settings), settings.policy, settings.write_through)
+
     def prefetch(self, fingerprint: str, segment_ids: Sequence[str]) -> Future[int]:
         """Start copying every stored variant of ``segment_ids`` up to the fastest tier in the
         background, e.g. while the request waits in a queue (RAG-DCache §III, Cache-Craft
         §3.5).  The future gives the number of variants moved up."""
-        with self._lock:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-prefetch")
-        return self._prefetcher.submit(self._promote_segments, fingerprint, list(segment_ids))
+        return self._submit(self._promote_segments, fingerprint, list(segment_ids))
+
+    def flush(self) -> None:
+        """Wait until every background write and prefetch submitted so far is done."""
+        self._submit(lambda: None).result()
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges: ``{"policy", "lookups", "hits", "misses", "puts",
@@ -164,15 +179,28 @@ class TieredKVStore:
             yield usage
 
     def close(self) -> None:
-        """Wait for prefetches, then release the tiers' connections."""
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
+        """Wait for background work, then release the tiers' connections."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         for tier in self.tiers:
             close: Callable[[], None] | None = getattr(tier, "close", None)
             if close is not None:
                 close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _submit(self, call: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``call`` on the one background thread (in submission order)."""
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-store")
+        return self._background.submit(call, *args)
+
+    def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
+        for i in range(1, len(self.tiers)):
+            if key not in self.tiers[i]:
+                with self._lock:
+                    self._insert(i, key, fingerprint, variant, fall_through=False)
 
     def _load(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
         tier = self.tiers[i]

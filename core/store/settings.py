@@ -1,0 +1,139 @@
+"""The tiered store's configuration, in one place.
+
+Values come from, highest first: keyword arguments, environment variables
+``CHUNKCACHE_STORE_<FIELD>`` (e.g. ``CHUNKCACHE_STORE_HOST_BYTES=2147483648``), a TOML or
+JSON file (``StoreSettings.from_file(path)``, or the file named by
+``CHUNKCACHE_STORE_CONFIG``), then the defaults below.  A capacity of 0 turns its tier off.
+
+Example ``store.toml``::
+
+    host_bytes = 2147483648
+    disk_dir = "/var/cache/chunkcache/kv"
+    redis_url = "redis://cache.internal:6379/0"
+    policy = "pgdsf"
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+if TYPE_CHECKING:
+    from chunkcache.core.store.tier import Tier
+
+GiB = 2**30
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "chunkcache_store_config", default=None
+)
+
+
+class StoreSettings(BaseSettings):
+    """Tier capacities, where the tiers live, and the eviction policy."""
+
+    model_config = SettingsConfigDict(env_prefix="CHUNKCACHE_STORE_", extra="forbid")
+
+    device_bytes: int = Field(
+        default=2 * GiB, ge=0, description="CUDA tier; used only when torch.cuda.is_available()"
+    )
+    host_bytes: int = Field(default=4 * GiB, ge=0, description="host-memory tier")
+    disk_bytes: int = Field(default=32 * GiB, ge=0, description="disk tier")
+    disk_dir: Path | None = Field(
+        default=None, description="disk tier directory; None: $CHUNKCACHE_HOME/kv"
+    )
+    redis_url: str | None = Field(
+        default=None, description="shared Redis tier, e.g. redis://h:6379/0"
+    )
+    redis_bytes: int = Field(default=8 * GiB, ge=0, description="Redis tier, enforced server-side")
+    redis_timeout_s: float = Field(default=1.0, gt=0, description="Redis socket timeout")
+    redis_retry_s: float = Field(
+        default=30.0, ge=0, description="probe a down Redis again after this"
+    )
+    policy: Literal["lru", "lfu", "pgdsf", "cachecraft"] = Field(
+        default="pgdsf", description="eviction policy of the local tiers"
+    )
+    write_through: bool = Field(
+        default=True,
+        description="also write new variants to disk/Redis in the background, so other "
+        "processes and the next start see them",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is None and os.environ.get("CHUNKCACHE_STORE_CONFIG"):
+            path = Path(os.environ["CHUNKCACHE_STORE_CONFIG"])
+        if path is not None:
+            if path.suffix == ".json":
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+            else:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: object) -> StoreSettings:
+        """Settings from a ``.toml`` or ``.json`` file, under environment and ``overrides``."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(path)
+        token = _config_file.set(path)
+        try:
+            return cls(**overrides)  # type: ignore[arg-type]
+        finally:
+            _config_file.reset(token)
+
+    def resolved_disk_dir(self) -> Path:
+        """The disk tier's directory (created on demand by the tier)."""
+        if self.disk_dir is not None:
+            return self.disk_dir.expanduser()
+        from chunkcache.core.paths import home_subdir
+
+        return home_subdir("kv")
+
+
+def build_tiers(settings: StoreSettings) -> list[Tier]:
+    """The tiers ``settings`` turn on, fastest first: device (CUDA only), host, disk, Redis."""
+    import torch
+
+    from chunkcache.core.store.disk import DiskTier
+    from chunkcache.core.store.tier import MemoryTier
+
+    tiers: list[Tier] = []
+    if settings.device_bytes and torch.cuda.is_available():
+        tiers.append(MemoryTier("device", settings.device_bytes, "cuda"))
+    if settings.host_bytes:
+        tiers.append(MemoryTier("host", settings.host_bytes))
+    if settings.disk_bytes:
+        tiers.append(DiskTier(settings.resolved_disk_dir(), settings.disk_bytes))
+    if settings.redis_url and settings.redis_bytes:
+        from chunkcache.core.store.redis_tier import RedisTier
+
+        tiers.append(
+            RedisTier(
+                settings.redis_url,
+                settings.redis_bytes,
+                timeout_s=settings.redis_timeout_s,
+                retry_after_s=settings.redis_retry_s,
+            )
+        )
+    if not tiers:
+        raise ValueError("every tier is off: set a capacity above 0")
+    return tiers
