@@ -2,12 +2,14 @@
 
 chunkcache models pull [PATH]   install the default model (or check a local one)
 chunkcache bench engine         recompute policies against full prefill (see --help)
+chunkcache warm [--folder DIR]  precompute chunk KV into the store's disk tier (resumable)
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from chunkcache.core.bench.cli import add_bench_parser
 
@@ -22,6 +24,35 @@ def _models_pull(args: argparse.Namespace) -> None:
     print(f"{path}: {spec.architecture}, {spec.num_layers} layers, fingerprint {lm.fingerprint}")
 
 
+def _warm(args: argparse.Namespace) -> None:
+    import torch
+
+    from chunkcache.core.engine import ChunkEngine
+    from chunkcache.core.models import load_model
+    from chunkcache.core.store.settings import StoreSettings
+    from chunkcache.core.store.tiered import TieredKVStore
+    from chunkcache.core.store.warm import corpus_chunks, folder_chunks, warm
+
+    settings = StoreSettings.from_file(args.config) if args.config else StoreSettings()
+    if not settings.disk_bytes and not settings.redis_url:
+        raise SystemExit("warm needs a disk or Redis tier to keep what it computes")
+    chunks = list(
+        folder_chunks(args.folder, args.chunk_chars)
+        if args.folder
+        else corpus_chunks(args.max_chunks)
+    )[: args.max_chunks]
+    lm = load_model(args.model, dtype=getattr(torch, args.dtype))
+    store = TieredKVStore.from_settings(settings.model_copy(update={"write_through": True}))
+    try:
+        report = warm(ChunkEngine(lm, store), chunks, args.prefix, args.policy)
+    finally:
+        store.close()
+    print(
+        f"warm: {report.computed} chunks computed, {report.skipped} already stored, "
+        f"{report.seconds:.1f} s; fingerprint {lm.fingerprint}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chunkcache", description="Chunk-KV cache for RAG.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,7 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("path", nargs="?", help="a local checkpoint directory or GGUF file")
     pull.set_defaults(run=_models_pull)
     add_bench_parser(commands)
+    _add_warm_parser(commands)
     return parser
+
+
+def _add_warm_parser(commands: Any) -> None:
+    warm = commands.add_parser(
+        "warm", help="precompute chunk KV of the bundled corpus or a folder into the store"
+    )
+    warm.add_argument("--folder", help="a folder of .txt/.md files (default: bundled corpus)")
+    warm.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
+    warm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    warm.add_argument("--prefix", default="", help="text before each chunk (the system prompt)")
+    warm.add_argument("--policy", default="full", choices=["full", "cachecraft"])
+    warm.add_argument("--chunk-chars", type=int, default=1000, help="chunk size for --folder")
+    warm.add_argument("--max-chunks", type=int, default=None, help="warm at most this many")
+    warm.add_argument("--config", help="store settings file (.toml/.json)")
+    warm.set_defaults(run=_warm)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -149,6 +149,11 @@ class TieredKVStore:
         §3.5).  The future gives the number of variants moved up."""
         return self._submit(self._promote_segments, fingerprint, list(segment_ids))
 
+    def contains_segment(self, fingerprint: str, segment_id: str) -> bool:
+        """Whether any tier holds a variant of ``segment_id`` (no loading, no counting)."""
+        ns, seg = namespace_of(fingerprint), segment_hash(segment_id)
+        return any(tier.segment_keys(ns, seg) for tier in self.tiers)
+
     def flush(self) -> None:
         """Wait until every background write and prefetch submitted so far is done."""
         self._submit(lambda: None).result()
