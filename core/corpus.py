@@ -159,7 +159,7 @@ def _module_chunks(path: Path, module: str, chunk_chars: int) -> Iterator[tuple[
     sections = [
         piece
         for title, doc in _docstrings(path, module)
-        for piece in _split_section(title, doc, chunk_chars)
+        for piece in split_section(title, doc, chunk_chars)
     ]
     packed: list[str] = []
     first_title = ""
@@ -205,7 +205,7 @@ def _definitions(body: list[ast.stmt], prefix: str) -> Iterator[tuple[str, _DefN
             yield from _definitions(clause.body, prefix)
 
 
-def _split_section(title: str, doc: str, chunk_chars: int) -> Iterator[tuple[str, str]]:
+def split_section(title: str, doc: str, chunk_chars: int) -> Iterator[tuple[str, str]]:
     """``title`` + ``doc`` as sections of at most ``chunk_chars``, each led by the title."""
     budget = chunk_chars - len(title) - 1
     if budget < MIN_DOC_CHARS:

@@ -28,11 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
-from chunkcache.core.corpus import MIN_CHUNK_CHARS, CorpusChunk
-
-# The bundled corpus's section packer; exposing it under a public name is a change
-# to corpus.py left to its owner.
-from chunkcache.core.corpus import _split_section as split_section
+from chunkcache.core.corpus import MIN_CHUNK_CHARS, CorpusChunk, split_section
 from chunkcache.core.errors import ChunkCacheError, InvalidChunkError
 
 TEXT_SUFFIXES = frozenset({".txt", ".md"})
