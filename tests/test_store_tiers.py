@@ -161,3 +161,25 @@ def _seg(segment_id: str) -> str:
     from chunkcache.core.store.codec import segment_of
 
     return segment_of(segment_id)
+
+
+def test_demotion_keeps_each_entrys_own_fingerprint(tmp_path: Path) -> None:
+    """A put for model A that evicts model B's entry demotes it under B, readable by B."""
+    store = host_disk(tmp_path, host_entries=1)
+    b = make_variant("shared-chunk", seed=1)
+    store.put("model-B", b)
+    store.put("model-A", make_variant("other", seed=2))  # evicts B's entry to disk
+    reopened = TieredKVStore([DiskTier(tmp_path / "kv", 100_000)])
+    assert same_kv(reopened.exact("model-B", "shared-chunk", "root"), b)
+    assert reopened.exact("model-A", "shared-chunk", "root") is None
+    assert reopened.metrics()["corrupt_dropped"] == 0
+
+
+def test_drop_listeners_hear_what_leaves_the_store(tmp_path: Path) -> None:
+    store = TieredKVStore([MemoryTier("host", 2 * VARIANT_BYTES)])
+    gone: list[tuple[str, str, str]] = []
+    store.drop_listeners.append(lambda *names: gone.append(names))
+    for s in "abc":
+        store.put(FP, make_variant(s, "ctx-" + s))
+    assert gone == [(FP, "a", "ctx-a")]
+    assert len(store.stats) == 2  # the dropped entry's statistics are gone too

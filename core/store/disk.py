@@ -115,7 +115,7 @@ class DiskTier:
                 self._remove_files(key)
                 while self._sizes and self.num_bytes + size > self.capacity_bytes:
                     out = victim(list(self._sizes))
-                    evicted(out, functools.partial(self._load_quietly, out, fingerprint))
+                    evicted(out, functools.partial(self._load_quietly, out))
                     self._remove_files(out)
                 os.replace(tmp_data, data_path)
                 os.replace(tmp_header, header_path)  # the commit
@@ -142,11 +142,15 @@ class DiskTier:
         header = codec.parse_header(header_path.read_bytes())
         return codec.decode(data_path.read_bytes(), header, fingerprint, key)
 
-    def _load_quietly(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+    def _load_quietly(self, key: EntryKey) -> tuple[str, KVVariant] | None:
+        """An entry with the fingerprint its header names (the key's namespace binds the two)."""
+        data_path, header_path = self._paths(key)
         try:
-            return self._read(key, fingerprint)
+            header = codec.parse_header(header_path.read_bytes())
+            fingerprint = str(header.get("fingerprint"))
+            return fingerprint, codec.decode(data_path.read_bytes(), header, fingerprint, key)
         except (OSError, CorruptEntryError):
-            return None  # another namespace's entry, or damaged: nothing to demote
+            return None  # damaged or gone: nothing to demote
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -36,6 +36,7 @@ class EntryStats:
     cost_total: float = 0.0  # sum over missing requests of seconds / non-cached tokens
     num_costs: int = 0  # m of Formula 4
     reuse: ReuseCount = field(default_factory=ReuseCount)
+    names: tuple[str, str, str] | None = None  # (fingerprint, segment_id, context) if seen
 
     @property
     def cost_per_token(self) -> float | None:

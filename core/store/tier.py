@@ -21,7 +21,7 @@ from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.store.codec import EntryKey
 
 Victim = Callable[[list[EntryKey]], EntryKey]
-Loader = Callable[[], KVVariant | None]
+Loader = Callable[[], tuple[str, KVVariant] | None]  # (fingerprint, variant)
 Evicted = Callable[[EntryKey, Loader], None]
 
 
@@ -66,6 +66,7 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device)
         self._entries: dict[EntryKey, KVVariant] = {}
+        self._fingerprints: dict[EntryKey, str] = {}
         self._by_segment: dict[tuple[str, str], set[EntryKey]] = {}
         self._bytes = 0
         self._lock = threading.RLock()
@@ -101,10 +102,11 @@ class MemoryTier:
             self.remove(key)
             while self._bytes + variant.num_bytes > self.capacity_bytes:
                 out = victim(list(self._entries))
-                gone = self._entries[out]
+                gone = (self._fingerprints[out], self._entries[out])
                 self.remove(out)
                 evicted(out, functools.partial(_same, gone))
             self._entries[key] = variant
+            self._fingerprints[key] = fingerprint
             self._by_segment.setdefault(key.segment_key, set()).add(key)
             self._bytes += variant.num_bytes
         return True
@@ -115,6 +117,7 @@ class MemoryTier:
             if variant is None:
                 return
             self._bytes -= variant.num_bytes
+            del self._fingerprints[key]
             keys = self._by_segment[key.segment_key]
             keys.discard(key)
             if not keys:
@@ -135,5 +138,5 @@ class MemoryTier:
         )
 
 
-def _same(variant: KVVariant) -> KVVariant | None:
-    return variant
+def _same(entry: tuple[str, KVVariant]) -> tuple[str, KVVariant] | None:
+    return entry

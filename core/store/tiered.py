@@ -65,6 +65,8 @@ class TieredKVStore:
             if isinstance(p, PGDSFPolicy):
                 p.default_cost = self._estimated_cost
         self.stats: dict[EntryKey, EntryStats] = {}
+        # called with (fingerprint, segment_id, context) when a variant leaves the store
+        self.drop_listeners: list[Callable[[str, str, str], None]] = []
         self._metrics = StoreMetrics([t.name for t in self.tiers])
         self._tick = 0
         self._lock = threading.RLock()
@@ -76,7 +78,7 @@ class TieredKVStore:
         key = entry_key(fingerprint, variant.segment_id, variant.context)
         self._metrics.store("puts")
         with self._lock:
-            stats = self._touch(key, variant, count=True)
+            stats = self._touch(key, fingerprint, variant, count=True)
             stats.reuse = variant.reuse
             self._insert(0, key, fingerprint, variant)
         if self.write_through and len(self.tiers) > 1:
@@ -108,7 +110,7 @@ class TieredKVStore:
         with self._lock:  # most recently used first, then all touched in that order
             order = sorted(found, key=lambda k: -self._stats_of(k).last_used)
             for key in reversed(order):
-                self._touch(key, found[key], count=True)
+                self._touch(key, fingerprint, found[key], count=True)
                 self._retouch(key)
         return [found[key] for key in order]
 
@@ -227,7 +229,7 @@ class TieredKVStore:
         with self._lock:
             variant = self._adopt(key, variant)
             if count:
-                self._touch(key, variant, count=True)
+                self._touch(key, fingerprint, variant, count=True)
             if i > 0:
                 variant = self._promote(i, key, fingerprint, variant)
             self._retouch(key)
@@ -253,23 +255,35 @@ class TieredKVStore:
                 return policy.victim([k for k in keys if k != key], self._stats_of)
 
             def evicted(out: EntryKey, loader: Loader, j: int = j) -> None:
-                self._evicted(j, out, fingerprint, loader)
+                self._evicted(j, out, loader)
 
             if tier.put(key, fingerprint, variant, victim, evicted):
                 policy.touched(key, self._stats_of(key))
                 return j
         return None
 
-    def _evicted(self, i: int, key: EntryKey, fingerprint: str, loader: Loader) -> None:
-        """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below."""
+    def _evicted(self, i: int, key: EntryKey, loader: Loader) -> None:
+        """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below
+        (swap out only once), else it is gone for good."""
         self._metrics.tier(self.tiers[i].name, "evictions")
         self.policies[i].evicted(key, self._stats_of(key))
         lower = self.tiers[i + 1 :]
-        if not lower or any(key in tier for tier in lower):
+        if any(key in tier for tier in lower):
             return
-        variant = loader()
-        if variant is not None and self._insert(i + 1, key, fingerprint, variant) is not None:
+        loaded = loader() if lower else None
+        if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
+        else:
+            self._dropped(key)
+
+    def _dropped(self, key: EntryKey) -> None:
+        """``key`` left the last tier holding it: forget it, tell the listeners."""
+        stats = self.stats.pop(key, None)
+        for policy in self.policies:
+            policy.forget(key)
+        if stats is not None and stats.names is not None:
+            for listener in self.drop_listeners:
+                listener(*stats.names)
 
     def _promote_segments(self, fingerprint: str, segment_ids: list[str]) -> int:
         ns, moved = namespace_of(fingerprint), 0
@@ -281,7 +295,7 @@ class TieredKVStore:
                     if key in top or (variant := self._load(i, key, fingerprint)) is None:
                         continue
                     with self._lock:
-                        self._touch(key, variant, count=False)
+                        self._touch(key, fingerprint, variant, count=False)
                         if self._insert(0, key, fingerprint, self._adopt(key, variant), False) == 0:
                             self._metrics.tier(self.tiers[i].name, "prefetched")
                             top.add(key)
@@ -300,9 +314,12 @@ class TieredKVStore:
                     break
         return stats
 
-    def _touch(self, key: EntryKey, variant: KVVariant, count: bool) -> EntryStats:
+    def _touch(
+        self, key: EntryKey, fingerprint: str, variant: KVVariant, count: bool
+    ) -> EntryStats:
         self._tick += 1
         stats = self._stats_of(key)
+        stats.names = (fingerprint, variant.segment_id, variant.context)
         stats.num_bytes, stats.num_tokens = variant.num_bytes, variant.num_tokens
         stats.last_used = self._tick
         stats.frequency += count
