@@ -23,6 +23,7 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -33,6 +34,15 @@ from chunkcache.core.store.codec import CorruptEntryError, EntryKey
 from chunkcache.core.store.tier import Evicted, Victim
 
 LAYOUT = f"v{codec.FORMAT_VERSION}"
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """An entry written to temp files, waiting for :meth:`DiskTier.commit`."""
+
+    key: EntryKey
+    size: int
+    temps: tuple[Path, Path]  # data, header
 
 
 class DiskTier:
@@ -102,14 +112,26 @@ class DiskTier:
     def put(
         self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
     ) -> bool:
+        prepared = self.prepare(key, fingerprint, variant)
+        return prepared is not None and self.commit(prepared, victim, evicted)
+
+    def prepare(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> PreparedWrite | None:
+        """The slow part of :meth:`put`, no lock held: encode and write the temp files
+        (fsynced).  None if the entry can never fit."""
         data, header = codec.encode(fingerprint, variant)
         raw = codec.header_bytes(header)
-        size = len(data) + len(raw)
-        if size > self.capacity_bytes:
-            return False
+        if len(data) + len(raw) > self.capacity_bytes:
+            return None
         data_path, header_path = self._paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_data, tmp_header = _write_temp(data_path, data), _write_temp(header_path, raw)
+        temps = (_write_temp(data_path, data), _write_temp(header_path, raw))
+        return PreparedWrite(key, len(data) + len(raw), temps)
+
+    def commit(self, prepared: PreparedWrite, victim: Victim, evicted: Evicted) -> bool:
+        """The quick part of :meth:`put`, under the lock: make room, rename into place."""
+        key, size = prepared.key, prepared.size
+        data_path, header_path = self._paths(key)
+        tmp_data, tmp_header = prepared.temps
         try:
             with self._locked():
                 self._remove_files(key)

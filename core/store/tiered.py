@@ -31,8 +31,8 @@ from chunkcache.core.store.codec import CorruptEntryError, EntryKey, entry_key, 
 from chunkcache.core.store.codec import segment_of as segment_hash
 from chunkcache.core.store.cost import PrefillCostModel
 from chunkcache.core.store.metrics import StoreMetrics, StoreUsage
-from chunkcache.core.store.policies import EntryStats, EvictionPolicy, PGDSFPolicy, make_policy
-from chunkcache.core.store.tier import Loader, Tier
+from chunkcache.core.store.policies import EntryStats, PGDSFPolicy, make_policy
+from chunkcache.core.store.tier import Evicted, Loader, Tier, Victim
 
 if TYPE_CHECKING:
     from chunkcache.core.store.settings import StoreSettings
@@ -204,9 +204,21 @@ class TieredKVStore:
         return self._background.submit(call, *args)
 
     def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
-        for i in range(1, len(self.tiers)):
-            if key not in self.tiers[i]:
-                with self._lock:
+        """Copy a new variant to every lower tier, holding the store lock only while a tier
+        makes room: encoding and fsyncing happen unlocked, so requests are not held up."""
+        for i, tier in enumerate(self.tiers[1:], start=1):
+            if key in tier:
+                continue
+            if getattr(tier, "self_evicting", False):  # needs no policy: no lock either
+                tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+                continue
+            prepare = getattr(tier, "prepare", None)
+            prepared = prepare(key, fingerprint, variant) if prepare is not None else None
+            with self._lock:
+                if prepared is not None:
+                    if tier.commit(prepared, *self._callbacks(i, key)):  # type: ignore[attr-defined]
+                        self.policies[i].touched(key, self._stats_of(key))
+                elif prepare is None:
                     self._insert(i, key, fingerprint, variant, fall_through=False)
 
     def _load(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
@@ -248,19 +260,22 @@ class TieredKVStore:
     ) -> int | None:
         """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in."""
         for j in range(i, len(self.tiers) if fall_through else i + 1):
-            policy = self.policies[j]
-            tier = self.tiers[j]
-
-            def victim(keys: list[EntryKey], policy: EvictionPolicy = policy) -> EntryKey:
-                return policy.victim([k for k in keys if k != key], self._stats_of)
-
-            def evicted(out: EntryKey, loader: Loader, j: int = j) -> None:
-                self._evicted(j, out, loader)
-
-            if tier.put(key, fingerprint, variant, victim, evicted):
-                policy.touched(key, self._stats_of(key))
+            if self.tiers[j].put(key, fingerprint, variant, *self._callbacks(j, key)):
+                self.policies[j].touched(key, self._stats_of(key))
                 return j
         return None
+
+    def _callbacks(self, j: int, key: EntryKey) -> tuple[Victim, Evicted]:
+        """How tier ``j`` makes room for ``key``: its policy's victim, then demotion."""
+        policy = self.policies[j]
+
+        def victim(keys: list[EntryKey]) -> EntryKey:
+            return policy.victim([k for k in keys if k != key], self._stats_of)
+
+        def evicted(out: EntryKey, loader: Loader) -> None:
+            self._evicted(j, out, loader)
+
+        return victim, evicted
 
     def _evicted(self, i: int, key: EntryKey, loader: Loader) -> None:
         """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below
