@@ -183,3 +183,46 @@ def test_drop_listeners_hear_what_leaves_the_store(tmp_path: Path) -> None:
         store.put(FP, make_variant(s, "ctx-" + s))
     assert gone == [(FP, "a", "ctx-a")]
     assert len(store.stats) == 2  # the dropped entry's statistics are gone too
+
+
+def test_threads_never_see_wrong_kv_or_exceed_capacity(tmp_path: Path) -> None:
+    """Requests on several threads plus background write-through and prefetch."""
+    import threading
+
+    host = MemoryTier("host", 6 * VARIANT_BYTES)
+    disk = DiskTier(tmp_path / "kv", 12_000)
+    store = TieredKVStore([host, disk], policy="pgdsf", write_through=True)
+    seeds = {f"s{i}": i for i in range(20)}
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        rng = random.Random(worker)
+        try:
+            for _ in range(150):
+                name = rng.choice(list(seeds))
+                expected = make_variant(name, seed=seeds[name])
+                action = rng.random()
+                if action < 0.3:
+                    store.put(FP, expected)
+                elif action < 0.6:
+                    got = store.exact(FP, name, "root")
+                    assert got is None or same_kv(got, expected)
+                elif action < 0.9:
+                    for v in store.variants(FP, name):
+                        assert same_kv(v, expected)
+                else:
+                    store.prefetch(FP, [name])
+                assert host.num_bytes <= host.capacity_bytes
+                assert disk.num_bytes <= disk.capacity_bytes
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    assert errors == []
+    assert tree_bytes(tmp_path / "kv") <= disk.capacity_bytes
+    assert store.metrics()["corrupt_dropped"] == 0

@@ -84,7 +84,11 @@ class DiskTier:
             names = os.listdir(folder)
         except FileNotFoundError:
             return []
-        return [EntryKey(namespace, segment, n[:-5]) for n in names if n.endswith(".json")]
+        return [
+            EntryKey(namespace, segment, n[:-5])
+            for n in names
+            if n.endswith(".json") and not n.startswith(".")  # not a writer's temp file
+        ]
 
     def reuse_of(self, key: EntryKey) -> ReuseCount | None:
         """The reuse counters saved in an entry's header (for a policy that needs them)."""

@@ -197,11 +197,20 @@ class TieredKVStore:
     # -- internals -------------------------------------------------------------------------
 
     def _submit(self, call: Callable[..., T], *args: Any) -> Future[T]:
-        """Run ``call`` on the one background thread (in submission order)."""
+        """Run ``call`` on the one background thread (in submission order); a failure is
+        logged (nobody may be waiting on the future) and left in the future."""
+
+        def logged() -> T:
+            try:
+                return call(*args)
+            except Exception:
+                log.exception("chunkcache store: background %s failed", call.__name__)
+                raise
+
         with self._lock:
             if self._background is None:
                 self._background = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-store")
-        return self._background.submit(call, *args)
+        return self._background.submit(logged)
 
     def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
         """Copy a new variant to every lower tier, holding the store lock only while a tier
