@@ -23,6 +23,7 @@ TIER_COUNTERS = (
     "prefetched",
     "corrupt_dropped",
     "load_seconds",
+    "bytes_loaded",
 )
 STORE_COUNTERS = ("lookups", "hits", "misses", "puts")
 

@@ -163,7 +163,8 @@ class TieredKVStore:
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges: ``{"policy", "lookups", "hits", "misses", "puts",
         "corrupt_dropped", "tiers": {name: {capacity_bytes, bytes, entries, hits, misses,
-        evictions, demotions, promotions, prefetched, corrupt_dropped, load_seconds}}}``."""
+        evictions, demotions, promotions, prefetched, corrupt_dropped, load_seconds,
+        bytes_loaded}}}``."""
         out = self._metrics.snapshot()
         for tier in self.tiers:
             counts = out["tiers"][tier.name]
@@ -174,6 +175,16 @@ class TieredKVStore:
         out["corrupt_dropped"] = sum(c["corrupt_dropped"] for c in out["tiers"].values())
         out["policy"] = self.policy_name
         return out
+
+    def load_bandwidth(self) -> dict[str, float]:
+        """Measured bytes per second loaded from each lower tier (tiers never read from are
+        left out): the CacheBlend loading controller's T_load estimator (§5.1)."""
+        tiers = self._metrics.snapshot()["tiers"]
+        return {
+            name: counts["bytes_loaded"] / counts["load_seconds"]
+            for name, counts in tiers.items()
+            if counts["load_seconds"] > 0
+        }
 
     def snapshot(self) -> dict[str, Any]:
         """Counters only (cheap): pass two of them to :func:`metrics.delta`."""
@@ -241,6 +252,7 @@ class TieredKVStore:
             return None
         if variant is not None and i > 0:
             self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
+            self._metrics.tier(tier.name, "bytes_loaded", variant.num_bytes)
         return variant
 
     def _hit(
