@@ -93,6 +93,8 @@ class TieredKVStore:
                 self._metrics.store("hits")
                 return self._hit(i, key, fingerprint, variant)
             self._metrics.tier(self.tiers[i].name, "misses")
+            if variant is not None:
+                break  # approximate KV: every copy of it is, never a prefix hit
         self._metrics.store("misses")
         return None
 
@@ -101,10 +103,12 @@ class TieredKVStore:
         self._metrics.store("lookups")
         found: dict[EntryKey, KVVariant] = {}
         for i, tier in enumerate(self.tiers):
+            hit = False
             for key in tier.segment_keys(ns, seg):
                 if key not in found and (variant := self._load(i, key, fingerprint)) is not None:
                     found[key] = self._hit(i, key, fingerprint, variant, count=False)
-            if not any(k in tier for k in found):
+                    hit = True
+            if not hit:
                 self._metrics.tier(tier.name, "misses")
         self._metrics.store("hits" if found else "misses")
         with self._lock:  # most recently used first, then all touched in that order
