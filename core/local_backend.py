@@ -15,7 +15,7 @@ from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import load_model
 from chunkcache.core.sampling import StopChecker
-from chunkcache.core.tokenization import SegmentTokenizer
+from chunkcache.core.tokenization import SegmentTokenizer, render_chat
 
 
 class LocalBackend:
@@ -48,10 +48,7 @@ class LocalBackend:
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The model's chat template applied to ``messages``, ready for the assistant."""
-        rendered = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
-        return str(rendered)
+        return render_chat(self.tokenizer, messages)
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         started = time.perf_counter()

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from chunkcache.core.engine import TokenSegment
 from chunkcache.core.kv_store import segment_key
 from chunkcache.core.segmenter import ChunkSegment, Segment
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
+    """The tokenizer's chat template applied to ``messages``, ready for the assistant."""
+    rendered = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+    )
+    return str(rendered)
 
 
 class SegmentTokenizer:

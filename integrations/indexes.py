@@ -20,7 +20,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +41,7 @@ __all__ = [
     "COLLECTION_NAME",
     "corpus_chroma_collection",
     "corpus_faiss_index",
+    "langchain_chunks_retriever",
     "langchain_corpus_retriever",
     "llama_index_corpus_retriever",
     "search_corpus",
@@ -80,11 +81,25 @@ def langchain_corpus_retriever(store: Store = "chroma", k: int = 5) -> BaseRetri
     """
     if _checked(store) == "faiss":
         return _langchain_faiss_retriever_class()(k=k)
+    return _langchain_chroma_retriever(_corpus_indexes(), k)
+
+
+def langchain_chunks_retriever(chunks: Sequence[CorpusChunk], k: int = 5) -> BaseRetriever:
+    """A LangChain Chroma retriever (MiniLM) over any ``chunks``, e.g. a user's own corpus.
+
+    The index is built once under ``CHUNKCACHE_HOME``, keyed by the chunks' content.
+    """
+    if not chunks:
+        raise ValueError("no chunks to index")
+    return _langchain_chroma_retriever(_indexes_of(tuple(chunks)), k)
+
+
+def _langchain_chroma_retriever(indexes: _CorpusIndexes, k: int) -> BaseRetriever:
     from langchain_chroma import Chroma
 
     from chunkcache.integrations.embeddings import MiniLMEmbeddings
 
-    client, _ = _corpus_indexes().chroma()  # built before LangChain opens it
+    client, _ = indexes.chroma()  # built before LangChain opens it
     vectorstore = Chroma(
         client=client,
         collection_name=COLLECTION_NAME,
@@ -215,6 +230,11 @@ def _corpus_indexes() -> _CorpusIndexes:
 @functools.cache
 def _indexes_under(root: Path) -> _CorpusIndexes:
     return _CorpusIndexes(load_corpus(), root)
+
+
+@functools.cache
+def _indexes_of(chunks: tuple[CorpusChunk, ...]) -> _CorpusIndexes:
+    return _CorpusIndexes(list(chunks), home_subdir("indexes"))
 
 
 def _checked(store: Store) -> Store:

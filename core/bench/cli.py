@@ -25,6 +25,33 @@ def _engine(args: argparse.Namespace) -> None:
     print((config.out / "engine.md").read_text())
 
 
+def _rag(args: argparse.Namespace) -> None:
+    from chunkcache.core.bench.rag_bench import log
+    from chunkcache.core.bench.rag_run import RagBenchConfig, quick, run_rag_bench
+
+    config = RagBenchConfig(
+        conversations=args.conversations,
+        min_turns=1 if args.single_turn else args.min_turns,
+        max_turns=1 if args.single_turn else args.max_turns,
+        gold_questions=args.gold_questions,
+        k=args.k,
+        max_tokens=args.max_tokens,
+        rate=args.rate,
+        seed=args.seed,
+        systems=tuple(args.system or ()),
+        store_mib=args.store_mib,
+        corpus_dir=args.corpus_dir,
+        chroma=tuple(args.chroma) if args.chroma else None,
+        questions=args.questions,
+        out=args.out,
+        name=args.name,
+    )
+    if args.quick:
+        config = quick(config)
+    run_rag_bench(config, shlex.join(["chunkcache", *sys.argv[1:]]), log)
+    print((config.out / f"{config.name}.md").read_text())
+
+
 def add_bench_parser(commands: Any) -> None:
     """Add ``bench`` and its subcommands to the ``chunkcache`` parser's ``commands``."""
     bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(
@@ -41,3 +68,30 @@ def add_bench_parser(commands: Any) -> None:
     engine.add_argument("--part", choices=("all", "quality", "speed"), default="all")
     engine.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     engine.set_defaults(run=_engine)
+    _add_rag_parser(bench)
+
+
+def _add_rag_parser(bench: Any) -> None:
+    rag = bench.add_parser(
+        "rag", help="every system replays the same RAG workload: TTFT, throughput, quality"
+    )
+    rag.add_argument("--quick", action="store_true", help="a few requests (smoke test)")
+    rag.add_argument("--conversations", type=int, default=24)
+    rag.add_argument("--min-turns", type=int, default=2)
+    rag.add_argument("--max-turns", type=int, default=5)
+    rag.add_argument("--single-turn", action="store_true", help="one turn per conversation")
+    rag.add_argument("--gold-questions", type=int, default=48, help="0: no gold workload")
+    rag.add_argument("--k", type=int, default=5, help="chunks per request")
+    rag.add_argument("--max-tokens", type=int, default=32, help="answer tokens")
+    rag.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    rag.add_argument("--seed", type=int, default=0)
+    rag.add_argument(
+        "--system", action="append", help="run only these (a system or policy name; repeat)"
+    )
+    rag.add_argument("--store-mib", type=int, default=512, help="KV store size per system")
+    rag.add_argument("--corpus-dir", type=Path, help="your corpus: a folder of text files")
+    rag.add_argument("--chroma", nargs=2, metavar=("DIR", "COLLECTION"), help="or Chroma")
+    rag.add_argument("--questions", type=Path, help="your questions (text or JSON lines)")
+    rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    rag.add_argument("--name", default="rag", help="report file stem")
+    rag.set_defaults(run=_rag)

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -71,3 +72,32 @@ def environment(packages: Iterable[str] = ()) -> dict[str, str]:
         "commit": source_commit(),
         **versions,
     }
+
+
+class CpuMeter:
+    """How many cores this process, and everything else on the machine, used since start.
+
+    Timings taken while other work ran are noisy; reports print this beside them.
+    """
+
+    def __init__(self) -> None:
+        self.start = _cpu_snapshot()
+
+    def share(self) -> dict[str, float]:
+        """``own_cores`` and ``other_cores`` (average since start; NaN where unknown)."""
+        now = _cpu_snapshot()
+        wall = max(now[0] - self.start[0], 1e-9)
+        own = (now[2] - self.start[2]) / wall
+        return {"own_cores": own, "other_cores": max(0.0, (now[1] - self.start[1]) / wall - own)}
+
+
+def _cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, busy CPU s of the whole machine, CPU s of this process) on Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:9]]
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # not idle/iowait
+    except (OSError, ValueError):
+        busy = math.nan
+    own = os.times()
+    return time.monotonic(), busy, own.user + own.system

@@ -7,8 +7,6 @@ items alike; each item's best round is kept.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +16,7 @@ import torch
 from chunkcache.core.bench.policies import POLICY_RUNS, PolicyRun, warm_views
 from chunkcache.core.bench.quality import Progress
 from chunkcache.core.bench.rag_prompts import RagPrompt
-from chunkcache.core.bench.report import summarize
+from chunkcache.core.bench.report import CpuMeter, summarize
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
@@ -106,14 +104,14 @@ def evaluate_speed(
     (cores this process and everything else used meanwhile) and ``per_prompt`` (s)."""
     backend = LocalBackend(ChunkEngine(lm))
     prompt_speed(backend, prompts[0], runs, rounds=1)
-    before = _cpu_snapshot()
+    meter = CpuMeter()
     per_prompt = []
     for index, prompt in enumerate(prompts):
         seconds = prompt_speed(backend, prompt, runs, rounds, shift=index)
         per_prompt.append({name: min(values) for name, values in seconds.items()})
         if progress is not None:
             progress(f"speed {index + 1}/{len(prompts)}: full {per_prompt[-1]['full']:.2f} s")
-    cpu = _cpu_share(before)
+    cpu = meter.share()
     summary = {}
     for name in per_prompt[0]:
         base = "full e2e" if name.endswith(" e2e") else "full"
@@ -122,22 +120,3 @@ def evaluate_speed(
             "ratio_to_full": summarize([row[name] / row[base] for row in per_prompt]),
         }
     return {"rounds": rounds, "summary": summary, "cpu": cpu, "per_prompt": per_prompt}
-
-
-def _cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, busy CPU s of the whole machine, CPU s of this process) on Linux."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:9]]
-        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # not idle/iowait
-    except (OSError, ValueError):
-        busy = math.nan
-    own = os.times()
-    return time.monotonic(), busy, own.user + own.system
-
-
-def _cpu_share(before: tuple[float, float, float]) -> dict[str, float]:
-    after = _cpu_snapshot()
-    wall = after[0] - before[0]
-    own = (after[2] - before[2]) / wall
-    return {"own_cores": own, "other_cores": max(0.0, (after[1] - before[1]) / wall - own)}

@@ -1,0 +1,139 @@
+"""Runs ``chunkcache bench rag``: workloads x systems, then the JSON, markdown and plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chunkcache.core.bench.rag_bench import (
+    DEFAULT_STORE_MIB,
+    Progress,
+    System,
+    replay,
+    select_systems,
+)
+from chunkcache.core.bench.rag_metrics import poisson_arrivals, system_figures
+from chunkcache.core.bench.rag_workload import (
+    Workload,
+    corpus_workload,
+    gold_workload,
+    user_workload,
+)
+from chunkcache.core.bench.report import environment
+
+
+@dataclass(frozen=True)
+class RagBenchConfig:
+    """Workload sizes, systems and output of one ``chunkcache bench rag`` run."""
+
+    conversations: int = 24
+    min_turns: int = 2
+    max_turns: int = 5
+    gold_questions: int = 48
+    k: int = 5
+    max_tokens: int = 32
+    rate: float = 0.5  # Poisson arrivals per second, for the throughput simulation
+    seed: int = 0
+    systems: tuple[str, ...] = ()
+    store_mib: int = DEFAULT_STORE_MIB
+    corpus_dir: Path | None = None
+    chroma: tuple[str, str] | None = None
+    questions: Path | None = None
+    out: Path = field(default_factory=lambda: Path("docs/benchmarks"))
+    name: str = "rag"
+
+
+def quick(config: RagBenchConfig) -> RagBenchConfig:
+    """The smoke-test size: a few short conversations and gold questions, short answers."""
+    return replace(
+        config, conversations=3, min_turns=2, max_turns=2, gold_questions=4, max_tokens=8
+    )
+
+
+def workloads(config: RagBenchConfig) -> list[Workload]:
+    """The user's corpus if given, else the bundled corpus; and the gold workload."""
+    if config.questions is not None:
+        main = user_workload(config.questions, config.k, config.corpus_dir, config.chroma)
+    elif config.corpus_dir is not None or config.chroma is not None:
+        raise ValueError("a corpus of your own needs a questions file (--questions)")
+    else:
+        main = corpus_workload(
+            config.conversations, config.min_turns, config.max_turns, config.k, config.seed
+        )
+    gold = [gold_workload(config.gold_questions, config.k, config.seed)]
+    return [main, *(gold if config.gold_questions > 0 else [])]
+
+
+def run_rag_bench(
+    config: RagBenchConfig, command: str, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Replay every workload on every system; write ``<name>.json``, ``.md`` and plots."""
+    import torch
+
+    from chunkcache.core.bench.rag_report import markdown, plot
+    from chunkcache.core.models import load_model
+
+    systems = select_systems(config.systems)
+    env = environment(("torch", "transformers", "langchain-core", "chromadb"))
+    lm = load_model(dtype=torch.bfloat16)
+    report: dict[str, Any] = {
+        "command": command,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "environment": env,
+        "model": "SmolLM2-135M-Instruct",
+        "fingerprint": lm.fingerprint,
+        "systems": [asdict(s) for s in systems],
+        "skipped": skipped_systems(),
+        "workloads": {},
+    }
+    for workload in workloads(config):
+        report["workloads"][workload.name] = run_workload(workload, systems, lm, config, progress)
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["plots"] = plot(report, config.out, config.name)
+    (config.out / f"{config.name}.md").write_text(markdown(report))
+    return report
+
+
+def run_workload(
+    workload: Workload,
+    systems: list[System],
+    lm: Any,
+    config: RagBenchConfig,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    arrivals = poisson_arrivals(len(workload.requests), config.rate, config.seed)
+    runs = {
+        s.name: replay(s, lm, workload, config.max_tokens, config.store_mib, progress)
+        for s in systems
+    }
+    figures = {}
+    for system in systems:
+        reference = runs.get(f"full / {system.layout}")
+        figures[system.name] = {
+            **system_figures(
+                runs[system.name]["records"],
+                workload.requests,
+                arrivals,
+                reference["records"] if reference is not None else None,
+            ),
+            "cpu": runs[system.name]["cpu"],
+        }
+    return {
+        "description": workload.description,
+        "requests": len(workload.requests),
+        "figures": figures,
+        "records": {
+            name: [asdict(record) for record in run["records"]] for name, run in runs.items()
+        },
+    }
+
+
+def skipped_systems() -> list[str]:
+    """Systems of the issue this run cannot include, each with the reason."""
+    return [
+        "vLLM (prefix caching off / on / on with chunkcache layout): the vLLM route "
+        '(`ChunkCache(backend="vllm")`) is not built yet',
+    ]
