@@ -31,16 +31,18 @@ def _warm(args: argparse.Namespace) -> None:
     from chunkcache.core.models import load_model
     from chunkcache.core.store.settings import StoreSettings
     from chunkcache.core.store.tiered import TieredKVStore
-    from chunkcache.core.store.warm import corpus_chunks, folder_chunks, warm
+    from chunkcache.core.store.warm import chroma_chunks, corpus_chunks, folder_chunks, warm
 
     settings = StoreSettings.from_file(args.config) if args.config else StoreSettings()
     if not settings.disk_bytes and not settings.redis_url:
         raise SystemExit("warm needs a disk or Redis tier to keep what it computes")
-    chunks = list(
-        folder_chunks(args.folder, args.chunk_chars)
-        if args.folder
-        else corpus_chunks(args.max_chunks)
-    )[: args.max_chunks]
+    if args.folder:
+        source = folder_chunks(args.folder, args.chunk_chars)
+    elif args.chroma:
+        source = chroma_chunks(args.chroma, args.collection)
+    else:
+        source = corpus_chunks(args.max_chunks)
+    chunks = list(source)[: args.max_chunks]
     lm = load_model(args.model, dtype=getattr(torch, args.dtype))
     store = TieredKVStore.from_settings(settings.model_copy(update={"write_through": True}))
     try:
@@ -72,6 +74,8 @@ def _add_warm_parser(commands: Any) -> None:
         "warm", help="precompute chunk KV of the bundled corpus or a folder into the store"
     )
     warm.add_argument("--folder", help="a folder of .txt/.md files (default: bundled corpus)")
+    warm.add_argument("--chroma", help="a persistent Chroma directory (with --collection)")
+    warm.add_argument("--collection", default="langchain", help="the Chroma collection")
     warm.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
     warm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     warm.add_argument("--prefix", default="", help="text before each chunk (the system prompt)")

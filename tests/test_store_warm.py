@@ -62,3 +62,20 @@ def test_warm_is_resumable_and_its_kv_is_served(
     assert out.stats.chunk_hits == 1
     full = ChunkEngine(lm).prefill(request, "full").logits
     assert (out.logits - full).abs().max().item() < 1e-4
+
+
+def test_chroma_collection_chunks_carry_the_retriever_ids(tmp_path: Path) -> None:
+    chromadb = pytest.importorskip("chromadb")
+    from chunkcache.core.chunk_ids import chunk_id
+    from chunkcache.core.store.warm import chroma_chunks
+
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
+    collection = client.create_collection("docs", embedding_function=None)
+    collection.add(
+        ids=["1", "2"],
+        documents=["w5 w6 w7", "w8 w9"],
+        metadatas=[{"chunk_id": "my-id"}, {"source": "x"}],
+        embeddings=[[0.1, 0.2], [0.3, 0.4]],
+    )
+    got = dict(chroma_chunks(tmp_path / "chroma", "docs"))
+    assert got == {"my-id": "w5 w6 w7", chunk_id("w8 w9"): "w8 w9"}

@@ -6,17 +6,17 @@ position 0), and lets the store keep the chunk's variant; with the settings' def
 write-through it lands in the disk tier.  It is resumable: a chunk with any stored variant
 is skipped, so an interrupted run picks up where it stopped.
 
-Chunk sources: the bundled corpus (:func:`chunkcache.core.corpus.load_corpus`) or a folder of
-``.txt`` / ``.md`` files, split on blank lines into chunks of at most ``chunk_chars``.
-Chunk ids are :func:`chunkcache.core.chunk_ids.chunk_id` of the text, the ids the retriever
-wrappers give chunks without an id of their own.
+Chunk sources: the bundled corpus (:func:`chunkcache.core.corpus.load_corpus`), a folder of
+``.txt`` / ``.md`` files split on blank lines into chunks of at most ``chunk_chars``, or a
+vector store's contents (a persistent Chroma collection).  Chunk ids are the ones the
+retriever wrappers give (``metadata["chunk_id"]``, else the content hash of the text).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,24 @@ def folder_chunks(folder: str | Path, chunk_chars: int = 1000) -> Iterator[tuple
             chunk = f"{chunk}\n\n{paragraph}" if chunk else paragraph
         if chunk:
             yield chunk_id(chunk), chunk
+
+
+def chroma_chunks(path: str | Path, collection: str) -> Iterator[tuple[str, str]]:
+    """``(chunk_id, text)`` of every document in a persistent Chroma collection, with the id
+    the retriever wrappers give it (``metadata["chunk_id"]``, else the content hash)."""
+    import chromadb
+
+    from chunkcache.core.chunk_ids import chunk_id_for
+
+    stored = chromadb.PersistentClient(path=str(path)).get_collection(collection)
+    got = stored.get(include=["documents", "metadatas"])
+    documents = got["documents"] or []
+    metadatas: list[Mapping[str, Any] | None] = [None] * len(documents)
+    if got["metadatas"]:
+        metadatas = list(got["metadatas"])
+    for text, metadata in zip(documents, metadatas, strict=True):
+        if text:
+            yield chunk_id_for(text, metadata), text
 
 
 def corpus_chunks(max_chunks: int | None = None) -> Iterator[tuple[str, str]]:
