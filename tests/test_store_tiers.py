@@ -226,3 +226,23 @@ def test_threads_never_see_wrong_kv_or_exceed_capacity(tmp_path: Path) -> None:
     assert errors == []
     assert tree_bytes(tmp_path / "kv") <= disk.capacity_bytes
     assert store.metrics()["corrupt_dropped"] == 0
+
+
+def test_statistics_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries only a self-evicting tier (Redis) holds, which may be gone without notice,
+    do not keep their statistics forever."""
+    import chunkcache.core.store.tiered as tiered
+
+    class ForgetfulTier(MemoryTier):  # a tier that evicts on its own, like Redis
+        self_evicting = True
+
+        def put(self, *args: object, **kwargs: object) -> bool:
+            return True  # accepted, then evicted at once without telling anyone
+
+    monkeypatch.setattr(tiered, "STATS_SLACK", 5)
+    host = MemoryTier("host", 2 * VARIANT_BYTES)
+    store = TieredKVStore([host, ForgetfulTier("shared", 10**6)], write_through=False)
+    for i in range(40):
+        store.put(FP, make_variant(f"s{i}"))
+        assert len(store.stats) <= 2 * (len(host) + 5) + 1
+    assert store.metrics()["tiers"]["host"]["demotions"] == 38

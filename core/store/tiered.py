@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+STATS_SLACK = 10_000  # statistics kept beyond the local entries before pruning
 
 
 class TieredKVStore:
@@ -69,6 +70,7 @@ class TieredKVStore:
         self.drop_listeners: list[Callable[[str, str, str], None]] = []
         self._metrics = StoreMetrics([t.name for t in self.tiers])
         self._tick = 0
+        self._stats_limit = STATS_SLACK
         self._lock = threading.RLock()
         self._background: ThreadPoolExecutor | None = None
 
@@ -81,6 +83,8 @@ class TieredKVStore:
             stats = self._touch(key, fingerprint, variant, count=True)
             stats.reuse = variant.reuse
             self._insert(0, key, fingerprint, variant)
+            if len(self.stats) > self._stats_limit:
+                self._prune_stats()
         if self.write_through and len(self.tiers) > 1:
             self._submit(self._write_through, key, fingerprint, variant)
 
@@ -315,6 +319,20 @@ class TieredKVStore:
             self._metrics.tier(self.tiers[i].name, "demotions")
         else:
             self._dropped(key)
+
+    def _prune_stats(self) -> None:
+        """Forget statistics of entries no local tier holds (Redis and other processes
+        evict without telling us); a later load seeds them afresh."""
+        local: set[EntryKey] = set()
+        for tier in self.tiers:
+            entry_keys = getattr(tier, "entry_keys", None)
+            if entry_keys is not None and not getattr(tier, "self_evicting", False):
+                local.update(entry_keys())
+        for key in [k for k in self.stats if k not in local]:
+            del self.stats[key]
+            for policy in self.policies:
+                policy.forget(key)
+        self._stats_limit = 2 * len(self.stats) + STATS_SLACK
 
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
