@@ -189,3 +189,28 @@ def test_orphans_of_a_dead_writer_are_swept(tmp_path: Path) -> None:
     assert not orphan.exists() and not temp.exists()
     assert mine.exists()  # a live writer's temp file is left alone
     mine.unlink()
+
+
+def test_a_failing_disk_degrades_to_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Disk errors (here: the layout directory replaced by a file) never fail a request."""
+    import shutil
+
+    from chunkcache.core.store import MemoryTier
+
+    host = MemoryTier("host", make_variant("x").num_bytes)
+    store = TieredKVStore([host, DiskTier(tmp_path, 10**6)], write_through=True)
+    a, b = make_variant("a"), make_variant("b", seed=1)
+    store.put(FP, a)
+    store.flush()
+    shutil.rmtree(tmp_path / "v1")
+    (tmp_path / "v1").write_text("not a directory")
+    store.put(FP, b)  # a is evicted from host; its disk copy is unreadable, b's write fails
+    store.flush()
+    assert store.exact(FP, "a", "root") is None
+    assert same_kv(store.exact(FP, "b", "root"), b)
+    errors = store.metrics()["tiers"]["disk"]["errors"]
+    assert errors >= 2
+    warnings = [r for r in caplog.records if "the disk tier failed" in r.getMessage()]
+    assert len([r for r in warnings if r.levelname == "WARNING"]) == 1

@@ -82,7 +82,7 @@ class DiskTier:
         folder = self.data_root / namespace / segment[:2] / segment
         try:
             names = os.listdir(folder)
-        except FileNotFoundError:
+        except OSError:  # absent, or the disk fails: get/put count the failure
             return []
         return [
             EntryKey(namespace, segment, n[:-5])

@@ -24,6 +24,7 @@ TIER_COUNTERS = (
     "corrupt_dropped",
     "load_seconds",
     "bytes_loaded",
+    "errors",
 )
 STORE_COUNTERS = ("lookups", "hits", "misses", "puts")
 

@@ -71,6 +71,7 @@ class TieredKVStore:
         self._metrics = StoreMetrics([t.name for t in self.tiers])
         self._tick = 0
         self._stats_limit = STATS_SLACK
+        self._io_warned: set[str] = set()
         self._lock = threading.RLock()
         self._background: ThreadPoolExecutor | None = None
 
@@ -241,10 +242,19 @@ class TieredKVStore:
                 tier.put(key, fingerprint, variant, *self._callbacks(i, key))
                 continue
             prepare = getattr(tier, "prepare", None)
-            prepared = prepare(key, fingerprint, variant) if prepare is not None else None
+            try:
+                prepared = prepare(key, fingerprint, variant) if prepare is not None else None
+            except OSError as error:
+                self._io_error(tier, error)
+                continue
             with self._lock:
                 if prepared is not None:
-                    if tier.commit(prepared, *self._callbacks(i, key)):  # type: ignore[attr-defined]
+                    try:
+                        committed = tier.commit(prepared, *self._callbacks(i, key))  # type: ignore[attr-defined]
+                    except OSError as error:
+                        self._io_error(tier, error)
+                        continue
+                    if committed:
                         self.policies[i].touched(key, self._stats_of(key))
                 elif prepare is None:
                     self._insert(i, key, fingerprint, variant, fall_through=False)
@@ -257,6 +267,9 @@ class TieredKVStore:
         except CorruptEntryError as error:
             log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
             self._metrics.tier(tier.name, "corrupt_dropped")
+            return None
+        except OSError as error:  # a failing disk is a miss, never a failed request
+            self._io_error(tier, error)
             return None
         if variant is not None and i > 0:
             self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
@@ -289,10 +302,22 @@ class TieredKVStore:
     ) -> int | None:
         """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in."""
         for j in range(i, len(self.tiers) if fall_through else i + 1):
-            if self.tiers[j].put(key, fingerprint, variant, *self._callbacks(j, key)):
+            try:
+                placed = self.tiers[j].put(key, fingerprint, variant, *self._callbacks(j, key))
+            except OSError as error:  # full or failing disk: try the next tier
+                self._io_error(self.tiers[j], error)
+                continue
+            if placed:
                 self.policies[j].touched(key, self._stats_of(key))
                 return j
         return None
+
+    def _io_error(self, tier: Tier, error: OSError) -> None:
+        """Count an I/O failure of ``tier``; the first one is logged as a warning."""
+        self._metrics.tier(tier.name, "errors")
+        level = logging.DEBUG if tier.name in self._io_warned else logging.WARNING
+        self._io_warned.add(tier.name)
+        log.log(level, "the %s tier failed (%s): treated as a miss", tier.name, error)
 
     def _callbacks(self, j: int, key: EntryKey) -> tuple[Victim, Evicted]:
         """How tier ``j`` makes room for ``key``: its policy's victim, then demotion."""
