@@ -9,9 +9,11 @@ the loop runs the rest plainly.
 - :func:`recompute` (CacheBlend §4.2-4.3): every reused row runs the check
   layers; after each check layer only the reused rows whose values moved most
   (highest V deviation, HKVD tokens) stay, gradually filtered down to the
-  recompute ratio.  Choosing by V deviation, and a true causal mask for the
-  recomputed rows, were both measured on this project's default model (DESIGN:
-  facts checked).
+  recompute ratio.  A check layer writes every row's K/V but finishes
+  (attention, MLP) only the rows it keeps: a dropped row's output is never
+  read, so this is the same computation at a fraction of the cost.  Choosing
+  by V deviation, and a true causal mask for the recomputed rows, were both
+  measured on this project's default model (DESIGN: facts checked).
 - :func:`recompute_rows` (Cache-Craft §3.2): the caller chooses the reused rows
   up front; an optional schedule reads attention and may drop rows
   (:mod:`chunkcache.core.craft_probe`).
@@ -29,7 +31,14 @@ from torch import Tensor
 from chunkcache.core.model_forward import embed, run_layers
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
-from chunkcache.kernels.layer import Probe, Rows, layer_step, layer_step_probed
+from chunkcache.kernels.layer import (
+    Probe,
+    Rows,
+    finish_rows,
+    layer_step,
+    layer_step_probed,
+    write_kv,
+)
 
 # Share of the reused rows kept after each check layer, as multiples of the target
 # ratio r: a little above r after the first check, r after the second (§4.3).
@@ -42,7 +51,7 @@ class RecomputeResult:
 
     last_hidden: Tensor  # [E]
     num_recomputed: int  # reused rows still recomputed in the last layer
-    token_layers: int  # rows x layers actually run
+    token_layers: int  # rows x layers whose K/V were recomputed
 
 
 @dataclass
@@ -59,6 +68,16 @@ class RowSet:
         # index: [M'] long
         self.slots, self.is_reused = self.slots[index], self.is_reused[index]
         self.x, self.rows = self.x[index], self.rows.subset(index)
+
+    def keep_reused_rows(self, reused_rows: Tensor) -> Tensor:
+        """Keep every computed row and the reused rows at ``reused_rows`` (indices into these
+        rows, any order); returns the increasing indices of the rows kept."""
+        # reused_rows: [R'] long
+        stay = ~self.is_reused  # stay: [M] bool
+        stay[reused_rows] = True
+        index = stay.nonzero().squeeze(1)  # index: [M']
+        self.keep(index)
+        return index
 
     def keep_reused(self, reused: Tensor) -> None:
         """Keep every computed row and the reused rows whose slot is in ``reused``."""
@@ -78,6 +97,18 @@ class LayerRun:
     def run(self, rows: RowSet) -> None:
         """Advance ``rows.x`` through the layer (writing the rows' K/V)."""
         rows.x = layer_step(self.module, rows.x, rows.rows, self.k, self.v)
+
+    def write_kv(self, rows: RowSet) -> tuple[Tensor, Tensor]:
+        """The first half of :meth:`run`: write the rows' K/V only. Returns the rows' normed
+        inputs (for :meth:`finish`) and their new values."""
+        # -> h: [M, E]; v_rows: [H_kv, M, D]
+        h = self.module.input_layernorm(rows.x)
+        return h, write_kv(self.module, h, rows.rows, self.k, self.v)
+
+    def finish(self, rows: RowSet, h: Tensor) -> None:
+        """The second half of :meth:`run`, for the rows still in ``rows`` (``h``: theirs)."""
+        # h: [M', E]
+        rows.x = finish_rows(self.module, rows.x, h, rows.rows, self.k, self.v)[0]
 
     def run_probed(self, rows: RowSet, probe: Probe) -> Tensor:
         """:meth:`run`, returning the attention of the rows ``probe.rows`` per slot group."""
@@ -154,12 +185,15 @@ class GradualFilter:
         return layer >= self.checks
 
     def step(self, layer: int, rows: RowSet, run: LayerRun) -> None:
-        reused_slots = rows.slots[rows.is_reused]  # [R']
-        cached_v = run.v[:, reused_slots].float()  # cached_v: [H_kv, R', D]
-        run.run(rows)
-        deviation = (run.v[:, reused_slots].float() - cached_v).norm(dim=(0, 2))  # [R']
+        """Recompute every row's K/V, keep the reused rows whose values moved most, and
+        finish the layer for the rows kept only (a dropped row's output is never read)."""
+        reused_rows = rows.is_reused.nonzero().squeeze(1)  # [R'] indices into rows
+        cached_v = run.v[:, rows.slots[reused_rows]].float()  # cached_v: [H_kv, R', D]
+        h, v_rows = run.write_kv(rows)  # h: [M, E]; v_rows: [H_kv, M, D]
+        deviation = (v_rows[:, reused_rows].float() - cached_v).norm(dim=(0, 2))  # [R']
         keep = math.ceil(min(1.0, GRADUAL_FILTER[layer] * self.ratio) * self.num_reused)
-        rows.keep_reused(reused_slots[deviation.topk(min(keep, reused_slots.numel())).indices])
+        top = deviation.topk(min(keep, reused_rows.numel())).indices  # [R''] into reused_rows
+        run.finish(rows, h[rows.keep_reused_rows(reused_rows[top])])
 
 
 @torch.no_grad()

@@ -8,6 +8,8 @@ vLLM patch, which lets a row see keys after it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -38,6 +40,51 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         enable_gqa=True,
     )  # out: [1, H, N, D]
     return out[0].transpose(0, 1).flatten(1)  # -> [N, H * D]
+
+
+# Scattered rows run in blocks of consecutive rows, each over the keys up to its last row's
+# position only: SDPA's CPU kernel skips no masked keys, so one call over all keys costs
+# rows x slots, about twice the causal work. 4-8 blocks measured ~25% less attention
+# time than one call (SmolLM2 shapes, 170 rows over 1,129 slots); more blocks cost more.
+ROWS_PER_BLOCK = 32
+MAX_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Query rows ``first:end`` (consecutive, increasing positions) and the keys
+    ``0:num_keys`` any of them may see."""
+
+    first: int
+    end: int
+    num_keys: int
+    mask: Tensor  # [end - first, num_keys] bool, a view into the rows' causal mask
+
+
+def causal_blocks(q_pos: Tensor, mask: Tensor) -> tuple[RowBlock, ...]:
+    """Split rows at increasing slots ``q_pos`` into blocks of about equal size."""
+    # q_pos: [N] long, strictly increasing; mask: [N, S] = causal_mask(q_pos, arange(S))
+    n = q_pos.numel()
+    count = max(1, min(MAX_BLOCKS, n // ROWS_PER_BLOCK))
+    bounds = [i * n // count for i in range(count + 1)]
+    ends = torch.tensor(bounds[1:], device=q_pos.device) - 1  # each block's last row
+    last = q_pos[ends].tolist()  # their positions
+    return tuple(
+        RowBlock(first, end, pos + 1, mask[first:end, : pos + 1])
+        for first, end, pos in zip(bounds[:-1], bounds[1:], last, strict=True)
+    )
+
+
+def blocked_attention(
+    q: Tensor, k: Tensor, v: Tensor, blocks: tuple[RowBlock, ...], scale: float
+) -> Tensor:
+    """:func:`attention` of scattered rows, block by block (see :func:`causal_blocks`)."""
+    # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
+    parts = [
+        attention(q[:, b.first : b.end], k[:, : b.num_keys], v[:, : b.num_keys], b.mask, scale)
+        for b in blocks
+    ]  # parts: [n_b, H * D] each
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def attention_mass(

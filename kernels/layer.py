@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from chunkcache.kernels.attention import attention, attention_mass, causal_mask
+from chunkcache.kernels.attention import (
+    RowBlock,
+    attention,
+    attention_mass,
+    blocked_attention,
+    causal_blocks,
+    causal_mask,
+)
 from chunkcache.kernels.rope import Rope, apply_rope
 
 
@@ -25,6 +32,7 @@ class Rows:
     cos: Tensor  # [N, D] float32
     sin: Tensor  # [N, D] float32
     mask: Tensor | None  # [N, S] bool; None when the rows are all S slots (plain causal)
+    blocks: tuple[RowBlock, ...]  # the rows split for attention; () when ``mask`` is None
 
     @classmethod
     def build(cls, index: Tensor, num_slots: int, rope: Rope) -> Rows:
@@ -33,7 +41,12 @@ class Rows:
         if index.numel() == 0 or index[-1] >= num_slots or bool((index[1:] <= index[:-1]).any()):
             raise ValueError(f"rows must be increasing slots in [0, {num_slots}), got {index}")
         cos, sin = rope.cos_sin(index)  # cos, sin: [N, D]
-        return cls(index, cos, sin, cls._mask(index, num_slots))
+        return cls._with_mask(index, cos, sin, cls._mask(index, num_slots))
+
+    @classmethod
+    def _with_mask(cls, index: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Rows:
+        blocks = causal_blocks(index, mask) if mask is not None else ()
+        return cls(index, cos, sin, mask, blocks)
 
     @staticmethod
     def _mask(index: Tensor, num_slots: int) -> Tensor | None:
@@ -57,7 +70,14 @@ class Rows:
         # keep: [M] long
         index = self.index[keep]  # index: [M]
         mask = self._mask(index, self.num_slots) if self.mask is None else self.mask[keep]
-        return Rows(index, self.cos[keep], self.sin[keep], mask)
+        return Rows._with_mask(index, self.cos[keep], self.sin[keep], mask)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attention of these rows' queries over the merged KV, causal by position."""
+        # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
+        if self.mask is None:
+            return attention(q, k, v, None, scale)
+        return blocked_attention(q, k, v, self.blocks, scale)
 
 
 def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tensor:
@@ -96,19 +116,37 @@ def layer_step_probed(
     return x, mass
 
 
-def _step(
-    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Probe | None
-) -> tuple[Tensor, Tensor | None]:
-    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV)
+def write_kv(layer: Any, h: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tensor:
+    """Compute the rows' keys (rotated) and values from their normed inputs ``h`` and write
+    them into ``k`` and ``v`` at ``rows.index``. Returns the rows' new values.
+
+    The first half of :func:`layer_step`: a selective-recompute check layer (CacheBlend §4.3)
+    writes K/V for every candidate row, compares values, and finishes the layer
+    (:func:`finish_rows`) only for the rows it keeps.
+    """
+    # h: [N, E] = layer.input_layernorm(x); k, v: [H_kv, S, D] (views into the merged KV)
     attn = layer.self_attn
-    n, head_dim = x.shape[0], attn.head_dim
-    h = layer.input_layernorm(x)  # h: [N, E]
-    q = attn.q_proj(h).view(n, -1, head_dim).transpose(0, 1)  # q: [H, N, D]
+    n, head_dim = h.shape[0], attn.head_dim
     k_rows = attn.k_proj(h).view(n, -1, head_dim).transpose(0, 1)  # k_rows: [H_kv, N, D]
     v_rows = attn.v_proj(h).view(n, -1, head_dim).transpose(0, 1)  # v_rows: [H_kv, N, D]
-    q = apply_rope(q, rows.cos, rows.sin)
     k.index_copy_(1, rows.index, apply_rope(k_rows, rows.cos, rows.sin))
     v.index_copy_(1, rows.index, v_rows)
+    return v_rows  # [H_kv, N, D]
+
+
+def finish_rows(
+    layer: Any, x: Tensor, h: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Probe | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """The second half of :func:`layer_step`, once every row's K/V is in ``k`` and ``v``:
+    queries, attention over the merged KV, output projection and MLP, for ``rows`` only.
+
+    Returns the rows' output hidden states, and the probed attention when ``probe`` is set.
+    """
+    # x: [N, E] layer inputs; h: [N, E] normed; k, v: [H_kv, S, D]
+    attn = layer.self_attn
+    n, head_dim = x.shape[0], attn.head_dim
+    q = attn.q_proj(h).view(n, -1, head_dim).transpose(0, 1)  # q: [H, N, D]
+    q = apply_rope(q, rows.cos, rows.sin)
     mass = None
     if probe is not None and rows.mask is None and 2 * probe.rows.numel() > n:
         # most of the whole sequence probed: every row on SDPA's causal fast path, then pick
@@ -118,5 +156,14 @@ def _step(
         mask = rows.probe_mask(probe.rows)  # mask: [P, S]
         q_probe = q[:, probe.rows]  # q_probe: [H, P, D]
         mass = attention_mass(q_probe, k, mask, attn.scaling, probe.groups, probe.num_groups)
-    x = x + attn.o_proj(attention(q, k, v, rows.mask, attn.scaling))  # x: [N, E]
+    x = x + attn.o_proj(rows.attention(q, k, v, attn.scaling))  # x: [N, E]
     return x + layer.mlp(layer.post_attention_layernorm(x)), mass  # mass: [P, G]
+
+
+def _step(
+    layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor, probe: Probe | None
+) -> tuple[Tensor, Tensor | None]:
+    # x: [N, E]; k, v: [H_kv, S, D] (views into the merged KV)
+    h = layer.input_layernorm(x)  # h: [N, E]
+    write_kv(layer, h, rows, k, v)
+    return finish_rows(layer, x, h, rows, k, v, probe)

@@ -11,7 +11,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from chunkcache.core.models import rope_from_config
-from chunkcache.kernels.attention import attention, causal_mask
+from chunkcache.kernels.attention import (
+    attention,
+    blocked_attention,
+    causal_blocks,
+    causal_mask,
+)
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
 from chunkcache.kernels.rope import Rope
@@ -111,6 +116,20 @@ def test_mask_is_causal_by_position_not_by_slot() -> None:
         [False, True, False, True, False],
         [True, True, False, True, True],
     ]
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 33, 100, 300])
+def test_blocked_attention_equals_one_masked_call(num_rows: int) -> None:
+    s = 300
+    q, k, v = _randn(H, num_rows, D, seed=4), _randn(H_KV, s, D, seed=5), _randn(H_KV, s, D, seed=6)
+    perm = torch.randperm(s, generator=torch.Generator().manual_seed(7))
+    rows = perm[:num_rows].sort().values  # [N] scattered, increasing
+    mask = causal_mask(rows, torch.arange(s))  # [N, S]
+    blocks = causal_blocks(rows, mask)
+    assert blocks[0].first == 0 and blocks[-1].end == num_rows
+    assert all(b.num_keys == rows[b.end - 1] + 1 for b in blocks)
+    expected = attention(q, k, v, mask, D**-0.5)  # [N, H * D]
+    torch.testing.assert_close(blocked_attention(q, k, v, blocks, D**-0.5), expected)
 
 
 def test_rows_build_and_subset() -> None:

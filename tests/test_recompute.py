@@ -1,0 +1,55 @@
+"""CacheBlend's gradual filter: the fast check layers choose and compute what whole layers do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import tiny_lm
+
+from chunkcache.core.model_forward import embed, prefill, run_layers
+from chunkcache.core.models import LoadedModel
+from chunkcache.core.recompute import GRADUAL_FILTER, recompute
+from chunkcache.kernels.kv import SeqKV
+from chunkcache.kernels.layer import Rows, layer_step
+
+
+def reference_blend(
+    lm: LoadedModel, kv: SeqKV, ids: torch.Tensor, computed: torch.Tensor, ratio: float
+) -> tuple[torch.Tensor, int]:
+    """CacheBlend as first written: every candidate row runs the whole check layer."""
+    # kv: merged KV whose slots not in ``computed`` are reused; ids: [S]
+    reused = torch.tensor([s for s in range(kv.length) if s not in set(computed.tolist())])
+    slots = torch.cat((computed, reused)).sort().values  # [M]
+    x = embed(lm, ids[slots])  # x: [M, E]
+    for layer, share in enumerate(GRADUAL_FILTER):
+        k, v = kv.layer(layer)
+        is_reused = torch.isin(slots, reused)  # [M]
+        cached_v = v[:, slots[is_reused]].clone()  # [H_kv, R', D]
+        x = layer_step(lm.decoder.layers[layer], x, Rows.build(slots, kv.length, lm.rope), k, v)
+        deviation = (v[:, slots[is_reused]] - cached_v).norm(dim=(0, 2))  # [R']
+        keep = math.ceil(min(1.0, share * ratio) * reused.numel())
+        chosen = slots[is_reused][deviation.topk(keep).indices]
+        stay = ~is_reused | torch.isin(slots, chosen)
+        slots, x = slots[stay], x[stay]
+    rows = Rows.build(slots, kv.length, lm.rope)
+    x = run_layers(lm, x, rows, kv, range(len(GRADUAL_FILTER), lm.spec.num_layers))
+    return x[-1], int(torch.isin(slots, reused).sum())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("ratio", [0.15, 0.5])
+def test_gradual_filter_matches_whole_check_layers(kind: str, ratio: float) -> None:
+    lm = tiny_lm(kind)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 120, (40,), generator=gen)
+    _, kv = prefill(lm, torch.randint(3, 120, (40,), generator=gen))  # unrelated: "reused" KV
+    computed = torch.cat((torch.arange(0, 6), torch.arange(34, 40)))  # [C]
+    reused = torch.arange(6, 34)  # [R]
+    mine_kv = SeqKV(kv.k.clone(), kv.v.clone(), kv.length)
+    result = recompute(lm, mine_kv, ids, computed, reused, ratio)
+    expected, num_recomputed = reference_blend(lm, kv, ids, computed, ratio)
+    assert result.num_recomputed == num_recomputed
+    torch.testing.assert_close(result.last_hidden, expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(mine_kv.keys(), kv.keys(), atol=1e-4, rtol=1e-5)
