@@ -15,17 +15,19 @@ import torch
 from torch import Tensor
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension."""
-    # x: [..., D]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` by the angles whose cosine and sine are given, in ``x``'s dtype."""
-    # x: [..., N, D]; cos, sin: [N, D]
-    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+    """Rotate ``x`` by the angles whose cosine and sine are given, in ``x``'s dtype.
+
+    ``x * cos + rotate_half(x) * sin``, with the second product accumulated in place into
+    the first (two passes over ``x`` fewer, no temporaries for ``rotate_half``).
+    """
+    # x: [..., N, D]; cos, sin: [N, D] (or [1, D]: one angle for every token)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    out = x * cos  # out: [..., N, D]
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)  # x1 cos - x2 sin
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])  # x2 cos + x1 sin
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class Rope:
     def shift(self, k: Tensor, delta: Tensor | int) -> Tensor:
         """Move rotated keys by ``delta`` positions (a pure rotation, computed in float32)."""
         # k: [H, N, D]; delta: [N] or a scalar
-        delta = torch.as_tensor(delta, device=k.device).expand(k.shape[-2])  # delta: [N]
-        cos, sin = self.angles(delta)  # cos, sin: [N, D]
+        delta = torch.as_tensor(delta, device=k.device).reshape(-1)  # delta: [N] or [1]
+        cos, sin = self.angles(delta)  # cos, sin: [N, D] or [1, D]
         return apply_rope(k.float(), cos, sin).to(k.dtype)
 
     def unrotate(self, k: Tensor, positions: Tensor) -> Tensor:
