@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_lm
+from tiny_models import tiny_hf_model, tiny_lm, tiny_tokenizer
 
 from chunkcache.core.model_forward import embed, prefill, run_layers
 from chunkcache.core.models import LoadedModel
-from chunkcache.core.recompute import GRADUAL_FILTER, recompute
+from chunkcache.core.recompute import FIRST_CHECK_LAYER, GRADUAL_FILTER, recompute
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
 
@@ -23,7 +23,9 @@ def reference_blend(
     reused = torch.tensor([s for s in range(kv.length) if s not in set(computed.tolist())])
     slots = torch.cat((computed, reused)).sort().values  # [M]
     x = embed(lm, ids[slots])  # x: [M, E]
-    for layer, share in enumerate(GRADUAL_FILTER):
+    for layer in range(FIRST_CHECK_LAYER):  # every row, nothing dropped
+        x = run_layers(lm, x, Rows.build(slots, kv.length, lm.rope), kv, range(layer, layer + 1))
+    for layer, share in enumerate(GRADUAL_FILTER, start=FIRST_CHECK_LAYER):
         k, v = kv.layer(layer)
         is_reused = torch.isin(slots, reused)  # [M]
         cached_v = v[:, slots[is_reused]].clone()  # [H_kv, R', D]
@@ -34,14 +36,17 @@ def reference_blend(
         stay = ~is_reused | torch.isin(slots, chosen)
         slots, x = slots[stay], x[stay]
     rows = Rows.build(slots, kv.length, lm.rope)
-    x = run_layers(lm, x, rows, kv, range(len(GRADUAL_FILTER), lm.spec.num_layers))
+    first_plain = FIRST_CHECK_LAYER + len(GRADUAL_FILTER)
+    x = run_layers(lm, x, rows, kv, range(first_plain, lm.spec.num_layers))
     return x[-1], int(torch.isin(slots, reused).sum())
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("ratio", [0.15, 0.5])
 def test_gradual_filter_matches_whole_check_layers(kind: str, ratio: float) -> None:
-    lm = tiny_lm(kind)
+    # One layer past the check layers, so the last check is not the last layer.
+    layers = FIRST_CHECK_LAYER + len(GRADUAL_FILTER) + 1
+    lm = LoadedModel.from_hf(tiny_hf_model(kind, num_hidden_layers=layers), tiny_tokenizer())
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 120, (40,), generator=gen)
     _, kv = prefill(lm, torch.randint(3, 120, (40,), generator=gen))  # unrelated: "reused" KV
@@ -53,3 +58,19 @@ def test_gradual_filter_matches_whole_check_layers(kind: str, ratio: float) -> N
     assert result.num_recomputed == num_recomputed
     torch.testing.assert_close(result.last_hidden, expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mine_kv.keys(), kv.keys(), atol=1e-4, rtol=1e-5)
+
+
+def test_values_depend_on_the_context_from_the_first_check_layer_on() -> None:
+    """Why deviation is read from layer 1: the same tokens after two different contexts
+    have equal layer-0 values, and different values from layer 1 on."""
+    lm = tiny_lm("llama")
+    gen = torch.Generator().manual_seed(3)
+    chunk = torch.randint(3, 120, (12,), generator=gen)
+    views = []
+    for _ in range(2):
+        context = torch.randint(3, 120, (8,), generator=gen)
+        _, kv = prefill(lm, torch.cat((context, chunk)))
+        views.append(kv.v[:, :, 8:20])  # [L, H_kv, 12, D]
+    first, second = views
+    torch.testing.assert_close(first[:FIRST_CHECK_LAYER], second[:FIRST_CHECK_LAYER])
+    assert (first[FIRST_CHECK_LAYER] - second[FIRST_CHECK_LAYER]).abs().max() > 1e-3
