@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench-retriever clean
+.PHONY: install demo test lint unit bench bench-retriever bench-engine bench-rag clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,17 @@ test: lint
 unit: install
 	$(BIN)/pytest
 
+# The published reports under docs/benchmarks/ (most of an hour each on 2 cores).
+bench: bench-retriever bench-engine bench-rag
+
 bench-retriever: install
 	$(BIN)/python cookbook/retriever_benchmark.py
+
+bench-engine: install
+	$(BIN)/chunkcache bench engine
+
+bench-rag: install
+	$(BIN)/chunkcache bench rag
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
