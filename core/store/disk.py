@@ -59,6 +59,7 @@ class DiskTier:
         self._flock = FileLock(str(self.root / ".lock"))
         self._lock = threading.RLock()
         self._sizes: dict[EntryKey, int] = {}
+        self._bytes = 0
         self._epoch = ""
         with self._locked():
             self._sweep()
@@ -66,7 +67,7 @@ class DiskTier:
 
     @property
     def num_bytes(self) -> int:
-        return sum(self._sizes.values())
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -147,6 +148,7 @@ class DiskTier:
                 os.replace(tmp_header, header_path)  # the commit
                 _fsync_dir(data_path.parent)
                 self._sizes[key] = size
+                self._bytes += size
         finally:
             for tmp in (tmp_data, tmp_header):
                 with contextlib.suppress(FileNotFoundError):
@@ -192,7 +194,7 @@ class DiskTier:
         for path in (header_path, data_path):  # uncommit first
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        self._sizes.pop(key, None)
+        self._bytes -= self._sizes.pop(key, 0)
 
     def _rescan(self) -> None:
         sizes: dict[EntryKey, int] = {}
@@ -208,6 +210,7 @@ class DiskTier:
             except FileNotFoundError:
                 continue  # removed meanwhile, or a header without data: a miss when read
         self._sizes = sizes
+        self._bytes = sum(sizes.values())
         self._epoch = _read_epoch(self.root)
 
     def _sweep(self) -> None:
