@@ -52,6 +52,24 @@ def _rag(args: argparse.Namespace) -> None:
     print((config.out / f"{config.name}.md").read_text())
 
 
+def _store(args: argparse.Namespace) -> None:
+    from chunkcache.core.bench.engine_bench import log
+    from chunkcache.core.bench.store_bench import StoreBenchConfig, quick, run_store_bench
+
+    config = StoreBenchConfig(
+        conversations=args.conversations,
+        k=args.k,
+        prompts=args.prompts,
+        rounds=args.rounds,
+        seed=args.seed,
+        out=args.out,
+    )
+    if args.quick:
+        config = quick(config)
+    run_store_bench(config, shlex.join(["chunkcache", *sys.argv[1:]]), log)
+    print((config.out / "store.md").read_text())
+
+
 def add_bench_parser(commands: Any) -> None:
     """Add ``bench`` and its subcommands to the ``chunkcache`` parser's ``commands``."""
     bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(
@@ -69,6 +87,7 @@ def add_bench_parser(commands: Any) -> None:
     engine.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     engine.set_defaults(run=_engine)
     _add_rag_parser(bench)
+    _add_store_parser(bench)
 
 
 def _add_rag_parser(bench: Any) -> None:
@@ -95,3 +114,17 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     rag.add_argument("--name", default="rag", help="report file stem")
     rag.set_defaults(run=_rag)
+
+
+def _add_store_parser(bench: Any) -> None:
+    store = bench.add_parser(
+        "store", help="tiered store: hit rate per eviction policy, TTFT with hits per tier"
+    )
+    store.add_argument("--quick", action="store_true", help="short trace, 2 prompts, 1 round")
+    store.add_argument("--conversations", type=int, default=200, help="multi-turn trace size")
+    store.add_argument("--k", type=int, default=5, help="chunks retrieved per turn")
+    store.add_argument("--prompts", type=int, default=10, help="TTFT prompts")
+    store.add_argument("--rounds", type=int, default=3, help="timed rounds per prompt")
+    store.add_argument("--seed", type=int, default=0)
+    store.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    store.set_defaults(run=_store)
