@@ -75,6 +75,7 @@ def test_quick_run_writes_a_sane_report(tmp_path: Path) -> None:
     lru = [r["hit_rate"] for r in rows if r["policy"] == "lru"]
     assert lru == sorted(lru) and lru[0] >= 0 and lru[-1] <= 1
     assert report["hit_rates"]["working_set_bytes"] > 0
+    assert all(r["hit_rate"] <= report["hit_rates"]["unbounded_hit_rate"] for r in rows)
     configs = report["ttft"]["configs"]
     assert {"host", "host+queue", "disk", "disk+prefetch", "full"} <= set(configs)
     assert configs["host"]["ratio_to_host"] == pytest.approx(1.0)

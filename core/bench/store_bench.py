@@ -164,7 +164,10 @@ def hit_rates(
                     "evictions": result.evictions,
                 }
             )
-    return {"working_set_bytes": working_set, "rows": rows}
+    lookups = sum(len(request) for request in requests)
+    distinct = len({chunk_id for request in requests for chunk_id, _ in request})
+    unbounded = 1 - distinct / lookups if lookups else 0.0  # only first retrievals miss
+    return {"working_set_bytes": working_set, "unbounded_hit_rate": unbounded, "rows": rows}
 
 
 # -- TTFT by tier ---------------------------------------------------------------------------
