@@ -61,6 +61,7 @@ from chunkcache.core.model_forward import last_logits, prefill
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.recompute import recompute
 from chunkcache.core.sampling import sample_token
+from chunkcache.core.store.hooks import record_prefill, track_store
 from chunkcache.kernels.kv import SeqKV
 
 
@@ -117,7 +118,32 @@ class ChunkEngine:
         conversation_id: str | None = None,
         reserve: int = 0,
     ) -> Prefilled:
-        """Prefill ``segments``; ``reserve`` tokens of room are kept for decoding."""
+        """Prefill ``segments``; ``reserve`` tokens of room are kept for decoding.
+
+        A tiered store reports this request's hits and loads per tier in
+        ``stats.extra["store"]`` and learns the prefill's cost per token (PGDSF).
+        """
+        started = time.perf_counter()
+        with track_store(self.store) as usage:
+            prefilled, stored = self._prefill(segments, policy, ratio, conversation_id, reserve)
+        stats = prefilled.stats
+        stats.extra["store"] = usage.as_dict()
+        new_tokens = stats.computed_tokens + stats.recomputed_tokens
+        seconds = time.perf_counter() - started
+        record_prefill(
+            self.store, self.lm.fingerprint, stored, stats.reused_tokens, new_tokens, seconds
+        )
+        return prefilled
+
+    def _prefill(
+        self,
+        segments: Sequence[TokenSegment],
+        policy: Policy,
+        ratio: float,
+        conversation_id: str | None,
+        reserve: int,
+    ) -> tuple[Prefilled, list[tuple[str, str]]]:
+        """:meth:`prefill`, also returning the (segment id, context) of the variants stored."""
         started = time.perf_counter()
         ids = [token for segment in segments for token in segment.ids]
         if not ids:
@@ -163,7 +189,7 @@ class ChunkEngine:
         stats.reused_tokens = exact + len(reused) - result.num_recomputed
         stats.recomputed_tokens = result.num_recomputed
         stats.computed_tokens = computed.numel()
-        stats.chunk_hits, stats.chunk_misses = self._store(
+        stats.chunk_hits, stats.chunk_misses, stored = self._store(
             segments, starts, contexts, exact, set(reused), exact_until, kv, metas
         )
         layers = self.lm.spec.num_layers
@@ -171,7 +197,7 @@ class ChunkEngine:
         stats.extra["prefix_tokens"] = exact
         stats.ttft_s = time.perf_counter() - started
         logits = last_logits(self.lm, result.last_hidden)
-        return Prefilled(ids, kv, logits, stats, exact_until)
+        return Prefilled(ids, kv, logits, stats, exact_until), stored
 
     def decode(self, prefilled: Prefilled, params: SamplingParams) -> Iterator[int]:
         """Sample up to ``params.max_tokens`` tokens, extending ``prefilled.kv`` and ``ids``."""
@@ -267,9 +293,11 @@ class ChunkEngine:
         exact_until: int,
         kv: SeqKV,
         metas: dict[int, CraftMeta],
-    ) -> tuple[int, int]:
-        """Store segments computed fresh as variants; count chunk hits and misses."""
+    ) -> tuple[int, int, list[tuple[str, str]]]:
+        """Store segments computed fresh as variants: chunk hits, misses, and the
+        (segment id, context) of each variant stored."""
         hits = misses = 0
+        fresh: list[tuple[str, str]] = []
         for segment, start, context in zip(segments, starts, contexts, strict=True):
             end = start + len(segment.ids)
             cached = end <= exact or start in reused
@@ -288,7 +316,8 @@ class ChunkEngine:
                 metas.get(start),
             )
             self.store.put(self.lm.fingerprint, variant)
-        return hits, misses
+            fresh.append((segment.segment_id, context))
+        return hits, misses, fresh
 
 
 def _reuses(policy: Policy) -> bool:

@@ -15,6 +15,7 @@ from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import load_model
 from chunkcache.core.sampling import StopChecker
+from chunkcache.core.store.hooks import prefetch
 from chunkcache.core.tokenization import SegmentTokenizer, render_chat
 
 
@@ -55,6 +56,9 @@ class LocalBackend:
         segments = self.segment_tokenizer(request.segments)
         params = request.sampling
         stop = StopChecker(params.stop)
+        # Start moving this request's chunks up to host memory while it waits for the lock.
+        chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
+        prefetch(self.engine.store, self.engine.lm.fingerprint, chunk_ids)
         with self._lock:
             prefilled = self.engine.prefill(
                 segments,

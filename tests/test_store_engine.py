@@ -111,6 +111,8 @@ def test_engine_on_host_and_disk_tiers_is_exact(lm: LoadedModel, tmp_path: Path)
         out = engine.prefill(request, "reuse")
     assert out.stats.chunk_hits == 2
     assert usage.as_dict()["tiers"]["disk"]["hits"] >= 1
+    # The engine reports the same request's tier counts itself (response metadata).
+    assert out.stats.extra["store"]["tiers"] == usage.as_dict()["tiers"]
     full = ChunkEngine(lm).prefill(request, "full").logits
     assert (out.logits - full).abs().max().item() < TOLERANCE
     assert host.num_bytes <= host.capacity_bytes

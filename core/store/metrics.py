@@ -49,8 +49,10 @@ class StoreUsage:
         return out
 
 
-_current: contextvars.ContextVar[StoreUsage | None] = contextvars.ContextVar(
-    "chunkcache_store_usage", default=None
+# Every usage open in this context (nested spans each count: the engine tracks each
+# request, and a caller may track several requests around it).
+_current: contextvars.ContextVar[tuple[StoreUsage, ...]] = contextvars.ContextVar(
+    "chunkcache_store_usage", default=()
 )
 
 
@@ -65,15 +67,14 @@ class StoreMetrics:
     def tier(self, tier: str, counter: str, amount: float = 1) -> None:
         with self._lock:
             self._total.tiers[tier][counter] += amount
-        usage = _current.get()
-        if usage is not None and tier in usage.tiers:
-            usage.tiers[tier][counter] += amount
+        for usage in _current.get():
+            if tier in usage.tiers:
+                usage.tiers[tier][counter] += amount
 
     def store(self, counter: str, amount: float = 1) -> None:
         with self._lock:
             self._total.totals[counter] += amount
-        usage = _current.get()
-        if usage is not None:
+        for usage in _current.get():
             usage.totals[counter] += amount
 
     def snapshot(self) -> dict[str, Any]:
@@ -87,7 +88,7 @@ class StoreMetrics:
     def track(self) -> Iterator[StoreUsage]:
         """Count this request's store work apart: ``with metrics.track() as usage: ...``."""
         usage = StoreUsage(self.tier_names)
-        token = _current.set(usage)
+        token = _current.set((*_current.get(), usage))
         try:
             yield usage
         finally:
