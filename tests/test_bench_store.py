@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from chunkcache.core.bench.store_bench import (
+from chunkcache.core.bench.store_bench import StoreBenchConfig, quick, run_store_bench
+from chunkcache.core.bench.store_hit_rates import (
     CAPACITIES,
     POLICIES,
-    StoreBenchConfig,
     fit_prefill_cost,
     fitted_cost,
-    quick,
-    run_store_bench,
     trace_requests,
     working_set_bytes,
 )

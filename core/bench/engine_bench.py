@@ -24,10 +24,10 @@ import torch
 from chunkcache.core.bench.engine_report import markdown, targets
 from chunkcache.core.bench.policies import POLICY_RUNS
 from chunkcache.core.bench.quality import evaluate_quality
-from chunkcache.core.bench.rag_prompts import RagPrompt, build_rag_prompts
+from chunkcache.core.bench.rag_prompts import RagPrompt, build_rag_prompts, corpus_search
 from chunkcache.core.bench.report import environment, summarize
 from chunkcache.core.bench.speed import evaluate_speed
-from chunkcache.core.corpus import CorpusChunk, load_corpus
+from chunkcache.core.corpus import load_corpus
 from chunkcache.core.models import load_model
 from chunkcache.core.tokenization import SegmentTokenizer
 
@@ -44,13 +44,6 @@ class EngineBenchConfig:
     answer_tokens: int = 32
     parts: tuple[str, ...] = PARTS
     out: Path = field(default_factory=lambda: Path("docs/benchmarks"))
-
-
-def corpus_search(question: str, k: int) -> list[CorpusChunk]:
-    """The FAISS index of the bundled corpus (MiniLM embeddings), best first."""
-    from chunkcache.integrations.indexes import search_corpus
-
-    return [chunk for chunk, _ in search_corpus(question, "faiss", k)]
 
 
 def log(message: str) -> None:

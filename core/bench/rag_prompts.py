@@ -104,3 +104,10 @@ def render_prompt(
         return None
     split = [TextSegment(system), TextSegment(head.text[len(system) :]), *segments[1:]]
     return RagPrompt(question, asked, found, text, tuple(split))
+
+
+def corpus_search(question: str, k: int) -> list[CorpusChunk]:
+    """The FAISS index of the bundled corpus (MiniLM embeddings), best first."""
+    from chunkcache.integrations.indexes import search_corpus
+
+    return [chunk for chunk, _ in search_corpus(question, "faiss", k)]
