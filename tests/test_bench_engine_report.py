@@ -6,18 +6,8 @@ from typing import Any
 
 from chunkcache.core.bench.engine_report import markdown, targets
 from chunkcache.core.bench.policies import POLICY_RUNS
+from chunkcache.core.bench.quality import QUALITY_METRICS
 
-METRICS = (
-    "first_kl",
-    "first_top1",
-    "tf_kl",
-    "tf_top1",
-    "rouge_l",
-    "token_layer_share",
-    "reused_tokens",
-    "recomputed_tokens",
-    "computed_tokens",
-)
 ENV = {
     "cpu": "test cpu",
     "cores": "2",
@@ -35,10 +25,10 @@ def stat(value: float) -> dict[str, float]:
 
 
 def quality_part(tf_kl: dict[str, float]) -> dict[str, Any]:
-    summary = {
-        run.name: {m: stat(tf_kl.get(run.name, 0.0) if m == "tf_kl" else 0.2) for m in METRICS}
-        for run in POLICY_RUNS
-    }
+    def row(name: str) -> dict[str, Any]:
+        return {m: stat(tf_kl.get(name, 0.0) if m == "tf_kl" else 0.2) for m in QUALITY_METRICS}
+
+    summary = {run.name: row(run.name) for run in POLICY_RUNS}
     return {
         "answer_tokens": 32,
         "summary": summary,

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_hf_model, tiny_lm, tiny_tokenizer
+from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_hf_model, tiny_lm, tiny_tokenizer
 
 from chunkcache.core.craft import (
     CraftConfig,
@@ -27,24 +27,11 @@ from chunkcache.core.craft import (
 )
 from chunkcache.core.craft_probe import MetaProbe, Span
 from chunkcache.core.engine import ChunkEngine, TokenSegment
-from chunkcache.core.kv_store import MemoryKVStore, segment_key
+from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.layer import Probe, Rows, layer_step, layer_step_probed
 
-TOLERANCE = 1e-4
 NO_FOCUS = CraftConfig(focus_window=None)
-
-
-def text(ids: list[int] | tuple[int, ...]) -> TokenSegment:
-    return TokenSegment(segment_key(ids), tuple(ids), is_chunk=False)
-
-
-def chunk(name: str, ids: list[int] | tuple[int, ...]) -> TokenSegment:
-    return TokenSegment(name, tuple(ids), is_chunk=True)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 SYSTEM, OTHER_SYSTEM = text(random_ids(9, 1)), text(random_ids(8, 21))

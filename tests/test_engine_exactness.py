@@ -9,27 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_lm
+from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_lm
 
 from chunkcache.core.engine import ChunkEngine, PromptTooLongError, TokenSegment
 from chunkcache.core.generation import SamplingParams
-from chunkcache.core.kv_store import segment_key
 from chunkcache.core.models import LoadedModel
-
-TOLERANCE = 1e-4
-
-
-def text(ids: list[int]) -> TokenSegment:
-    return TokenSegment(segment_key(ids), tuple(ids), is_chunk=False)
-
-
-def chunk(name: str, ids: list[int]) -> TokenSegment:
-    return TokenSegment(name, tuple(ids), is_chunk=True)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 SYSTEM = text(random_ids(9, 1))
 A, B, C = (chunk(name, random_ids(17, seed)) for seed, name in enumerate("abc", start=2))

@@ -13,20 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from chunkcache.core.bench.policies import FULL, PolicyRun
+from chunkcache.core.bench.policies import POLICY_RUNS
 from chunkcache.core.bench.quality import evaluate_quality
 from chunkcache.core.bench.rag_prompts import build_rag_prompts
 
 pytestmark = pytest.mark.slow
 
-RUNS = (
-    FULL,
-    PolicyRun("prefix", "prefix"),
-    PolicyRun("reuse", "reuse"),
-    PolicyRun("cacheblend-0.15", "cacheblend", 0.15),
-    PolicyRun("cacheblend-0.30", "cacheblend", 0.30),
-    PolicyRun("cachecraft", "cachecraft", warm="cachecraft"),
-)
+RUNS = tuple(run for run in POLICY_RUNS if run.name != "cacheblend-0.05")
 
 
 @pytest.fixture(scope="module")

@@ -7,29 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import tiny_lm
+from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_lm
 
 from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
 from chunkcache.core.generation import Policy, SamplingParams
-from chunkcache.core.kv_store import segment_key
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore
-
-TOLERANCE = 1e-4
-
-
-def text(ids: list[int]) -> TokenSegment:
-    return TokenSegment(segment_key(ids), tuple(ids), is_chunk=False)
-
-
-def chunk(name: str, ids: list[int]) -> TokenSegment:
-    return TokenSegment(name, tuple(ids), is_chunk=True)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 SYSTEM = text(random_ids(9, 1))
 A, B = (chunk(name, random_ids(17, seed)) for seed, name in enumerate("ab", start=2))

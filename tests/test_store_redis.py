@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store_support import FP, REDIS_SERVER, make_variant, redis_server, same_kv
+from test_store_support import FP, make_variant, same_kv
 from tiny_models import tiny_lm
 
 from chunkcache.core.engine import ChunkEngine, TokenSegment
 from chunkcache.core.kv_store import segment_key
 from chunkcache.core.store import MemoryTier, TieredKVStore, codec
 from chunkcache.core.store.codec import entry_key
+from chunkcache.core.store.redis_server import REDIS_SERVER, redis_server
 from chunkcache.core.store.redis_tier import RedisTier
 
 pytestmark = pytest.mark.skipif(

@@ -1,16 +1,10 @@
-"""Helpers for the tiered-store tests: tiny synthetic variants and a real redis-server.
+"""Helpers for the tiered-store tests: tiny synthetic variants, compared and measured.
 
 (Named ``test_store_*`` to sit with the store tests; it holds no tests itself.)
 """
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,36 +37,3 @@ def same_kv(a: KVVariant | None, b: KVVariant) -> bool:
 def tree_bytes(root: Path) -> int:
     """Bytes of every committed entry file under a disk tier's root."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
-
-
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def redis_server(tmp: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A real ``redis-server`` on a free loopback port, no persistence; its url and process."""
-    assert REDIS_SERVER is not None
-    port = free_port()
-    args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    args += ["--appendonly", "no", "--dir", str(tmp)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        proc.kill()
-        proc.wait()

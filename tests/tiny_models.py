@@ -16,6 +16,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from chunkcache.core.engine import TokenSegment
+from chunkcache.core.kv_store import segment_key
 from chunkcache.core.models import LoadedModel
 
 VOCAB = 128
@@ -94,3 +96,22 @@ def token_ids(n: int, seed: int = 1) -> torch.Tensor:
     """``n`` random token ids."""
     # -> [n] long
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# Prompts as token segments, for the engine tests.
+TOLERANCE = 1e-4  # max-abs logit difference that counts as exact in float32
+
+
+def text(ids: list[int] | tuple[int, ...]) -> TokenSegment:
+    """A plain-text segment of ``ids``."""
+    return TokenSegment(segment_key(ids), tuple(ids), is_chunk=False)
+
+
+def chunk(name: str, ids: list[int] | tuple[int, ...]) -> TokenSegment:
+    """A chunk segment called ``name``."""
+    return TokenSegment(name, tuple(ids), is_chunk=True)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """``n`` seeded token ids of the tiny vocabulary."""
+    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

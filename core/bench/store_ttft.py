@@ -9,10 +9,7 @@ measurement gets a fresh store, so nothing a run stores serves the next one.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import socket
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +22,7 @@ from chunkcache.core.kv_store import KVVariant, MemoryKVStore
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.store import MemoryTier, TieredKVStore
 from chunkcache.core.store.disk import DiskTier
+from chunkcache.core.store.redis_server import REDIS_SERVER, redis_server
 
 CONFIGS = ("host", "host+queue", "disk", "disk+prefetch", "redis", "full")
 QUEUED = ("host+queue", "disk+prefetch")  # served right after another request's full prefill
@@ -55,38 +53,14 @@ def warm_variants(lm: LoadedModel, prompts: Sequence[Sequence[TokenSegment]]) ->
     return list(recorder.recorded.values())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[str | None]:
-    """A throwaway ``redis-server`` on a free loopback port, no persistence; its url, or
-    None when the binary is absent."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+def optional_redis(folder: Path) -> Iterator[str | None]:
+    """A throwaway Redis's url, or None when ``redis-server`` is not installed."""
+    if REDIS_SERVER is None:
         yield None
         return
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    args += ["--appendonly", "no", "--dir", str(folder)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
+    with redis_server(folder) as (url, _):
+        yield url
 
 
 class TierSetup:
@@ -174,7 +148,7 @@ def ttft_by_tier(
     round; medians/p99 over prompts x rounds, paired ratios, summed store metrics."""
     setup = TierSetup(lm.fingerprint, warm_variants(lm, prompts), folder)
     skipped = []
-    with redis_server(folder) as url:
+    with optional_redis(folder) as url:
         configs = list(CONFIGS)
         if url is None:
             configs.remove("redis")
