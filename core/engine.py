@@ -25,13 +25,13 @@ policies have none and score CFO = min(1, alpha), their first tokens recomputed.
 Early termination on the question's focused chunks (Algorithm 1) is behind
 ``CraftConfig.focus_window``, off by default.
 
-Measured on SmolLM2 (float32, 16 RAG prompts of 5 chunks, chunks cached after the
-system prompt; teacher-forced KL against full prefill along its 16-token answer):
-cacheblend 0.15 gave KL 0.077 at 19.9% of token-layers, cachecraft capped at 0.15
-0.038 at 17.0% (lower on 16 of 16 prompts); at 0.30, cacheblend 0.043 at 33.8% and
-cachecraft 0.027 at 31.2%; cachecraft uncapped (alpha 1) 0.007 at 66%.  Algorithm 1
-with w = 3 settled at layer 2 of 30 on most prompts and raised the uncapped KL from
-0.007 to 0.052.
+Measured on SmolLM2 (``chunkcache bench engine``, docs/benchmarks/engine.md: float32,
+50 RAG prompts of 5 chunks cached after the system prompt, teacher-forced KL against full
+prefill along its 32-token answer): reuse 0.074, cacheblend 0.15 0.040 at 22.7% of
+token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft capped at 0.15 0.043 at 17.2%.
+An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
+token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
+that to 0.052.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Quality floors of the recompute policies on the real default model (slow, float32).
 
-Eight prompts of the engine benchmark (cookbook/engine_benchmark.py): each policy's
+Eight prompts of the engine benchmark (`chunkcache bench engine`): each policy's
 teacher-forced KL and top-1 agreement against a full prefill along full's greedy
 answer.  The floors sit below what the benchmark measures (docs/benchmarks/engine.md),
 so they catch a broken recompute path, not noise.
@@ -49,18 +49,23 @@ def test_prefix_reuse_is_exact(quality: Any) -> None:
 
 
 def test_cacheblend_stays_close_to_full(quality: Any) -> None:
-    assert mean(quality, "cacheblend-0.15", "tf_kl") <= 0.10
+    # 50-prompt report: TF KL 0.040, top-1 0.917, 22.7% of token-layers.
+    assert mean(quality, "cacheblend-0.15", "tf_kl") <= 0.07
     assert mean(quality, "cacheblend-0.15", "tf_top1") >= 0.85
-    assert mean(quality, "cacheblend-0.15", "token_layer_share") <= 0.30
+    assert mean(quality, "cacheblend-0.15", "token_layer_share") <= 0.27
 
 
 def test_more_recompute_is_closer_to_full(quality: Any) -> None:
-    assert mean(quality, "cacheblend-0.30", "tf_kl") <= mean(quality, "reuse", "tf_kl")
-    assert mean(quality, "cacheblend-0.15", "tf_kl") <= 1.05 * mean(quality, "reuse", "tf_kl")
+    # 50-prompt report: reuse 0.074, cacheblend 0.15 0.040, 0.30 0.026 (TF KL).
+    reuse = mean(quality, "reuse", "tf_kl")
+    assert mean(quality, "cacheblend-0.15", "tf_kl") <= 0.8 * reuse
+    assert mean(quality, "cacheblend-0.30", "tf_kl") <= mean(quality, "cacheblend-0.15", "tf_kl")
     assert mean(quality, "reuse", "token_layer_share") < 0.10
 
 
 def test_cachecraft_beats_reuse_within_cacheblend_compute(quality: Any) -> None:
-    assert mean(quality, "cachecraft", "tf_kl") <= mean(quality, "reuse", "tf_kl")
+    # 50-prompt report: TF KL 0.043 at 17.2% of token-layers (cacheblend 0.15: 22.7%).
+    assert mean(quality, "cachecraft", "tf_kl") <= 0.8 * mean(quality, "reuse", "tf_kl")
     assert mean(quality, "cachecraft", "tf_top1") >= 0.85
-    assert mean(quality, "cachecraft", "token_layer_share") <= 0.30
+    craft_share = mean(quality, "cachecraft", "token_layer_share")
+    assert craft_share <= mean(quality, "cacheblend-0.15", "token_layer_share")
