@@ -78,7 +78,7 @@ def test_quality_only_report_says_speed_was_not_measured() -> None:
     assert not any("TTFT" in name for name in met)
     text = markdown(made)
     assert "## Speed: not measured" in text
-    assert "quality at commit abc1234" in text
+    assert "quality by `chunkcache bench engine` at commit abc1234" in text
 
 
 def test_speed_targets_compare_with_full_and_hf_generate() -> None:

@@ -98,13 +98,23 @@ def run_engine_bench(config: EngineBenchConfig, command: str) -> dict[str, Any]:
     if "quality" in config.parts:
         env = part_environment()
         quality = evaluate_quality(lm32, prompts, POLICY_RUNS, config.answer_tokens, log)
-        parts["quality"] = {**quality, "environment": env, "fingerprint": lm32.fingerprint}
+        parts["quality"] = {
+            **quality,
+            "command": command,
+            "environment": env,
+            "fingerprint": lm32.fingerprint,
+        }
     del lm32
     if "speed" in config.parts:
         env = part_environment()
         lm16 = load_model(dtype=torch.bfloat16)
         speed = evaluate_speed(lm16, prompts, POLICY_RUNS, config.rounds, log)
-        parts["speed"] = {**speed, "environment": env, "fingerprint": lm16.fingerprint}
+        parts["speed"] = {
+            **speed,
+            "command": command,
+            "environment": env,
+            "fingerprint": lm16.fingerprint,
+        }
     report = {
         "command": command,
         "seed": config.seed,
