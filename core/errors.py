@@ -11,3 +11,19 @@ class InvalidChunkError(ChunkCacheError, ValueError):
 
 class InvalidConversationIdError(ChunkCacheError, ValueError):
     """A conversation id is empty, too long or not a string."""
+
+
+class QueueFullError(ChunkCacheError):
+    """The request queue is full; the request was not taken. Retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDownError(ChunkCacheError):
+    """The backend is shutting down and takes no new requests."""
+
+
+class BackendUnavailableError(ChunkCacheError):
+    """A remote backend (``chunkcache serve`` or vLLM) could not be reached or failed."""
