@@ -6,6 +6,11 @@ wrappers call :meth:`ChunkCache.arrange` once per request; LLM wrappers find the
 registered chunks in their prompts and send them to :attr:`ChunkCache.backend`.
 Wrappers created without ``cache=`` share :func:`default_cache`, so a retriever
 and an LLM cooperate unwired.
+
+When the backend's engine store drops a chunk's last cached variant, the prefix
+tree forgets every prefix through that chunk, so the tree only promises prefixes
+whose KV can still be there (RAGCache §5.1 keeps its knowledge tree in step the
+same way).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkcache.core.access_table import DEFAULT_WINDOW, AccessTable
+from chunkcache.core.backends import BackendName, BackendSpec
 from chunkcache.core.generation import Backend
 from chunkcache.core.ledger import ConversationLedger, DedupeMode, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering, order_chunks
@@ -41,7 +47,16 @@ class Arrangement:
 
 
 class ChunkCache:
-    """Shared chunk state: access table, prefix tree, conversation ledger, registry."""
+    """Shared chunk state: access table, prefix tree, conversation ledger, registry.
+
+    ``backend`` is a :class:`Backend` or a name: ``"local"`` (the default: the engine
+    in this process), ``"http"`` (``chunkcache serve`` at ``base_url``) or ``"vllm"``
+    (a vLLM server at ``base_url`` serving ``model``).  A named backend is created
+    on first use.
+
+    >>> ChunkCache(backend="http", base_url="http://127.0.0.1:8000").stats()["requests"]
+    0
+    """
 
     def __init__(
         self,
@@ -51,10 +66,22 @@ class ChunkCache:
         namespace: str = "",
         ledger: ConversationLedger | None = None,
         registry: ChunkRegistry | None = None,
-        backend: Backend | None = None,
+        backend: Backend | BackendName | None = None,
+        base_url: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.namespace = namespace
-        self._backend = backend
+        self._backend: Backend | None = None
+        self._backend_spec: BackendSpec | None = None
+        if backend is None or isinstance(backend, str):
+            if backend is None and (base_url is not None or api_key is not None):
+                raise ValueError("base_url and api_key need backend='http' or backend='vllm'")
+            self._backend_spec = BackendSpec(backend or "local", base_url, model, api_key)
+        elif base_url is not None or model is not None or api_key is not None:
+            raise ValueError("base_url, model and api_key go with a backend name, not an object")
+        else:
+            self._backend = backend
         self.access_table = AccessTable(window)
         # Each request adds at most a few promoted nodes; 16 per windowed request
         # keeps the tree bounded by the window, as the access table is.
@@ -71,19 +98,21 @@ class ChunkCache:
         self.matcher = ChunkMatcher(self.registry)
         self._lock = threading.Lock()
         self.num_requests = 0
+        if self._backend is not None:
+            self._follow_evictions(self._backend)
 
     @property
     def backend(self) -> Backend:
         """Where prompts are run; the local engine on the default model unless one was given.
 
-        The local backend is created on first use (it loads the model), so the
-        retriever side never pays for it.
+        A named backend is created on first use (the local one loads the model),
+        so the retriever side never pays for it.
         """
         with self._lock:
             if self._backend is None:
-                from chunkcache.core.local_backend import LocalBackend
-
-                self._backend = LocalBackend.default()
+                assert self._backend_spec is not None
+                self._backend = self._backend_spec.build()
+                self._follow_evictions(self._backend)
             return self._backend
 
     def arrange(
@@ -117,6 +146,21 @@ class ChunkCache:
             prefix_length = self.prefix_tree.longest_prefix_length(order)
             self.prefix_tree.update(order, self.access_table.count)
         return Arrangement(order=order, dropped=dropped, seen=seen, prefix_length=prefix_length)
+
+    def _follow_evictions(self, backend: Backend) -> None:
+        """Keep the prefix tree in step with the store of an in-process engine, if any."""
+        store = getattr(getattr(backend, "engine", None), "store", None)
+        listeners = getattr(store, "drop_listeners", None)
+        if store is None or not isinstance(listeners, list):
+            return
+
+        def dropped(fingerprint: str, segment_id: str, context: str) -> None:
+            if store.contains_segment(fingerprint, segment_id):
+                return  # another variant of the chunk is still cached
+            with self._lock:
+                self.prefix_tree.remove_chunk(segment_id)
+
+        listeners.append(dropped)
 
     def stats(self) -> dict[str, Any]:
         """Sizes of each part, for logs and benchmarks."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +111,8 @@ class MemoryKVStore:
         self._entries: OrderedDict[tuple[str, str, str], KVVariant] = OrderedDict()
         self._by_segment: dict[tuple[str, str], dict[str, None]] = {}
         self._lock = threading.Lock()
+        # Called as listener(fingerprint, segment_id, context) after a variant is evicted.
+        self.drop_listeners: list[Callable[[str, str, str], None]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -119,14 +121,19 @@ class MemoryKVStore:
         if variant.num_bytes > self.capacity_bytes:
             return
         key = (fingerprint, variant.segment_id, variant.context)
+        evicted: list[tuple[str, str, str]] = []
         with self._lock:
             self._drop(key)
             self._entries[key] = variant
             self._by_segment.setdefault(key[:2], {})[variant.context] = None
             self.num_bytes += variant.num_bytes
             while self.num_bytes > self.capacity_bytes:
-                self._drop(next(iter(self._entries)))
+                evicted.append(next(iter(self._entries)))
+                self._drop(evicted[-1])
                 self.num_evictions += 1
+        for gone in evicted:  # outside the lock: a listener may call back into the store
+            for listener in self.drop_listeners:
+                listener(*gone)
 
     def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
         key = (fingerprint, segment_id, context)
@@ -144,6 +151,11 @@ class MemoryKVStore:
             for key in keys:
                 self._entries.move_to_end(key)
             return [self._entries[key] for key in reversed(keys)]
+
+    def contains_segment(self, fingerprint: str, segment_id: str) -> bool:
+        """Whether any variant of ``segment_id`` is held (without touching recency)."""
+        with self._lock:
+            return (fingerprint, segment_id) in self._by_segment
 
     def _drop(self, key: tuple[str, str, str]) -> None:
         variant = self._entries.pop(key, None)

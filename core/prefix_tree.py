@@ -7,7 +7,9 @@ each of its chunks has reached the promotion threshold in the access table
 a request once that chunk reaches the threshold.  Any path's sub-prefix is
 usable on its own (prefix slicing).  Nodes carry a ``kv`` slot the KV store
 fills with where the prefix's KV lives; evicting that KV removes the node and
-everything below it, since a longer prefix's KV needs its parent's.
+everything below it, since a longer prefix's KV needs its parent's.  When the KV
+store drops a chunk's last variant, :meth:`ChunkPrefixTree.remove_chunk` removes
+every prefix through that chunk (``ChunkCache`` wires this to the store).
 
 The tree is bounded: beyond ``max_nodes`` the least recently used leaves go first.
 """
@@ -63,6 +65,7 @@ class ChunkPrefixTree:
         self.num_nodes = 0
         self.num_evicted_nodes = 0
         self._clock = itertools.count(1)
+        self._nodes_of_chunk: dict[str, set[PrefixNode]] = {}
 
     def __len__(self) -> int:
         return self.num_nodes
@@ -105,6 +108,7 @@ class ChunkPrefixTree:
                     break
                 child = PrefixNode(chunk_id=cid, parent=node, depth=node.depth + 1)
                 node.children[cid] = child
+                self._nodes_of_chunk.setdefault(cid, set()).add(child)
                 self.num_nodes += 1
             child.visits += 1
             child.last_used = tick
@@ -124,6 +128,18 @@ class ChunkPrefixTree:
             return 0
         return self._detach(nodes[-1])
 
+    def remove_chunk(self, chunk_id: str) -> int:
+        """Drop every prefix through ``chunk_id`` (its KV is gone), with their subtrees.
+
+        Returns the number of nodes removed.
+        """
+        removed = 0
+        for node in list(self._nodes_of_chunk.get(chunk_id, ())):
+            # A node inside a subtree removed earlier in this loop has left the index.
+            if node in self._nodes_of_chunk.get(chunk_id, ()):
+                removed += self._detach(node)
+        return removed
+
     def iter_nodes(self) -> Iterator[PrefixNode]:
         """All nodes, depth first."""
         stack = list(self.root.children.values())
@@ -135,7 +151,13 @@ class ChunkPrefixTree:
     def _detach(self, node: PrefixNode) -> int:
         assert node.parent is not None
         del node.parent.children[node.chunk_id]
-        removed = sum(1 for _ in _subtree(node))
+        removed = 0
+        for gone in _subtree(node):
+            removed += 1
+            same_chunk = self._nodes_of_chunk[gone.chunk_id]
+            same_chunk.discard(gone)
+            if not same_chunk:
+                del self._nodes_of_chunk[gone.chunk_id]
         self.num_nodes -= removed
         self.num_evicted_nodes += removed
         return removed

@@ -217,3 +217,41 @@ def test_max_nodes_holds_and_the_current_path_survives(
         assert tree.match(request) == path
         assert [n.chunk_id for n in path] == request[: len(path)]
         _check_structure(tree)
+
+
+def test_remove_chunk_drops_every_prefix_through_it() -> None:
+    tree = ChunkPrefixTree(promotion_threshold=1)
+    tree.update(["a", "b", "c"], lambda _: 1)
+    tree.update(["b", "a"], lambda _: 1)
+    tree.update(["d", "b"], lambda _: 1)
+    # Gone: a/b with its child a/b/c, b with its child b/a, and d/b.
+    assert tree.remove_chunk("b") == 5
+    assert _paths(tree) == {("a",), ("d",)}
+    assert tree.num_evicted_nodes == 5
+    assert tree.remove_chunk("b") == 0
+    assert tree.remove_chunk("never-seen") == 0
+    _check_structure(tree)
+
+
+@given(
+    st.integers(min_value=2, max_value=12),
+    st.lists(
+        st.lists(st.sampled_from([f"c{i}" for i in range(6)]), max_size=4, unique=True),
+        max_size=30,
+    ),
+    st.lists(st.sampled_from([f"c{i}" for i in range(6)]), max_size=4),
+)
+@settings(max_examples=60, deadline=None)
+def test_remove_chunk_matches_removing_its_prefixes_one_by_one(
+    max_nodes: int, requests: list[list[str]], gone: list[str]
+) -> None:
+    tree = ChunkPrefixTree(promotion_threshold=1, max_nodes=max_nodes)
+    for request in requests:
+        tree.update(request, lambda _: 1)
+    for chunk_id in gone:
+        expected = {p for p in _paths(tree) if chunk_id not in p}
+        before = len(tree)
+        removed = tree.remove_chunk(chunk_id)
+        assert _paths(tree) == expected
+        assert removed == before - len(tree)
+        _check_structure(tree)

@@ -1,0 +1,92 @@
+"""ChunkCache's backend by name, and its prefix tree kept in step with the engine's store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from test_store_support import FP, make_variant
+
+from chunkcache.core.backends import BackendSpec
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.kv_store import KVStore, MemoryKVStore
+from chunkcache.core.store import MemoryTier, TieredKVStore
+
+VARIANT_BYTES = make_variant("x").num_bytes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "gpu"}, "unknown backend"),
+        ({"backend": "http"}, "needs base_url"),
+        ({"backend": "vllm", "base_url": "http://127.0.0.1:1"}, "needs model"),
+        ({"backend": "local", "base_url": "http://127.0.0.1:1"}, "no base_url"),
+        ({"base_url": "http://127.0.0.1:1"}, "need backend="),
+    ],
+)
+def test_bad_backend_options_fail_when_the_cache_is_made(
+    kwargs: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ChunkCache(**kwargs)  # type: ignore[arg-type]
+
+
+def test_options_go_with_a_name_not_an_object() -> None:
+    from fake_backend import FakeBackend
+
+    with pytest.raises(ValueError, match="backend name"):
+        ChunkCache(backend=FakeBackend(), base_url="http://127.0.0.1:1")
+
+
+def test_a_named_backend_is_built_on_first_use_only() -> None:
+    cache = ChunkCache(backend="http", base_url="http://127.0.0.1:1")
+    assert cache.stats()["requests"] == 0
+    cache.arrange(["a", "b"])  # the retriever side never builds the backend
+    assert cache._backend is None
+    assert cache._backend_spec == BackendSpec("http", "http://127.0.0.1:1")
+
+
+@dataclass
+class _Engine:
+    store: KVStore
+
+
+@dataclass
+class _Backend:
+    """Just enough of a LocalBackend for the cache to find the engine's store."""
+
+    engine: _Engine
+
+
+def _promoted(cache: ChunkCache, order: list[str]) -> None:
+    for _ in range(2):  # CRAFT's promotion threshold is 2 accesses
+        cache.arrange(order)
+    assert cache.prefix_tree.longest_prefix_length(order) == len(order)
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_evicting_a_chunks_last_variant_removes_its_prefixes(tiered: bool) -> None:
+    capacity = 2 * VARIANT_BYTES
+    store: KVStore = (
+        TieredKVStore([MemoryTier("host", capacity)]) if tiered else MemoryKVStore(capacity)
+    )
+    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
+    _promoted(cache, ["a", "b"])
+    store.put(FP, make_variant("a", "ctx-1"))
+    store.put(FP, make_variant("a", "ctx-2"))  # capacity 2: the next put evicts ctx-1
+    store.put(FP, make_variant("b", "ctx-1"))
+    assert cache.prefix_tree.longest_prefix_length(["a", "b"]) == 2  # a still has ctx-2
+    store.put(FP, make_variant("c", "ctx-1"))  # evicts a's last variant
+    assert cache.prefix_tree.longest_prefix_length(["a", "b"]) == 0
+    assert len(cache.prefix_tree) == 0  # b only sat below a
+
+
+def test_replacing_a_variant_is_no_eviction() -> None:
+    store = MemoryKVStore(4 * VARIANT_BYTES)
+    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
+    _promoted(cache, ["a"])
+    store.put(FP, make_variant("a", "ctx-1", seed=1))
+    store.put(FP, make_variant("a", "ctx-1", seed=2))
+    assert cache.prefix_tree.longest_prefix_length(["a"]) == 1
+    assert store.num_evictions == 0
