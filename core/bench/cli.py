@@ -88,6 +88,7 @@ def add_bench_parser(commands: Any) -> None:
     engine.set_defaults(run=_engine)
     _add_rag_parser(bench)
     _add_store_parser(bench)
+    _add_summary_parser(bench)
 
 
 def _add_rag_parser(bench: Any) -> None:
@@ -114,6 +115,20 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     rag.add_argument("--name", default="rag", help="report file stem")
     rag.set_defaults(run=_rag)
+
+
+def _summary(args: argparse.Namespace) -> None:
+    from chunkcache.core.bench.summary import write_summary
+
+    print(write_summary(args.out).read_text())
+
+
+def _add_summary_parser(bench: Any) -> None:
+    summary = bench.add_parser(
+        "summary", help="write docs/benchmarks/README.md: every report's findings, read from JSON"
+    )
+    summary.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    summary.set_defaults(run=_summary)
 
 
 def _add_store_parser(bench: Any) -> None:

@@ -1,0 +1,85 @@
+"""docs/benchmarks/README.md: findings computed from the reports, never typed in."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from chunkcache.core.bench.findings import (
+    FINDERS,
+    engine_findings,
+    rag_findings,
+    store_findings,
+    verdict_of,
+)
+from chunkcache.core.bench.summary import summary_markdown, write_summary
+
+PUBLISHED = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    ("ratio", "lower_is_better", "verdict"),
+    [(0.5, True, "win"), (1.5, True, "loss"), (1.03, True, "even"), (1.5, False, "win")],
+)
+def test_verdict_of_a_ratio(ratio: float, lower_is_better: bool, verdict: str) -> None:
+    assert verdict_of(ratio, lower_is_better) == verdict
+
+
+def test_every_published_report_yields_findings() -> None:
+    for name, finder in FINDERS.items():
+        path = PUBLISHED / f"{name}.json"
+        if path.exists():
+            assert finder(json.loads(path.read_text())), name
+
+
+def test_a_missed_target_is_a_loss_with_a_next_step() -> None:
+    report = {
+        "targets": [
+            {
+                "target": "cacheblend-0.15 TTFT <= 0.2 x full",
+                "measured": 0.33,
+                "unit": "",
+                "met": False,
+            },
+        ],
+        "speed": {"summary": {"cacheblend-0.15": {"ratio_to_full": {"median": 0.33}}}},
+        "quality": {"summary": {"cacheblend-0.15": {"token_layer_share": {"mean": 0.2}}}},
+    }
+    found = engine_findings(report)
+    assert [f.verdict for f in found] == ["loss", "loss"]
+    assert "Missed: cacheblend-0.15 TTFT" in found[0].text
+    assert "0.33x full prefill" in found[1].text and found[1].next_step
+
+
+def test_store_findings_follow_the_figures() -> None:
+    def report(disk_ratio: float) -> dict[str, object]:
+        return {"ttft": {"configs": {"disk+prefetch": {"ratio_to_host": disk_ratio}}}}
+
+    assert store_findings(report(1.1))[0].verdict == "win"
+    missed = store_findings(report(1.4))[0]
+    assert missed.verdict == "loss" and "1.40x" in missed.text and missed.next_step
+
+
+def test_rag_accuracy_loss_is_reported_against_full_prefill() -> None:
+    row = {"ttft_s": {"median": 1.0}, "computed_share": 0.5, "prompt_tokens": 100}
+    figures = {
+        "full / plain": {**row, "accuracy": 0.5},
+        "cacheblend-0.15 / plain": {**row, "accuracy": 0.5},
+        "cacheblend-0.15 / chunkcache": {**row, "accuracy": 0.0},
+    }
+    found = rag_findings({"workloads": {"gold": {"figures": figures}}})
+    accuracy = [f for f in found if "exact match" in f.text]
+    assert len(accuracy) == 1 and accuracy[0].verdict == "loss"
+    assert "chunkcache layout 0%" in accuracy[0].text
+
+
+def test_summary_stamps_reports_and_names_missing_ones(tmp_path: Path) -> None:
+    shutil.copy(PUBLISHED / "store.json", tmp_path / "store.json")
+    text = write_summary(tmp_path).read_text()
+    assert text == summary_markdown(tmp_path)
+    assert "| [store](store.md) |" in text
+    assert "## Where chunkcache wins" in text
+    assert "Not run yet: `retriever`, `engine`, `rag`." in text
