@@ -3,6 +3,7 @@
 chunkcache models pull [PATH]   install the default model (or check a local one)
 chunkcache bench engine         recompute policies against full prefill (see --help)
 chunkcache warm [--folder DIR]  precompute chunk KV into the store's disk tier (resumable)
+chunkcache serve [--port P]     an OpenAI-compatible server over the engine (docs/serve.md)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(run=_models_pull)
     add_bench_parser(commands)
     _add_warm_parser(commands)
+    _add_serve_parser(commands)
     return parser
 
 
@@ -84,6 +86,23 @@ def _add_warm_parser(commands: Any) -> None:
     warm.add_argument("--max-chunks", type=int, default=None, help="warm at most this many")
     warm.add_argument("--config", help="store settings file (.toml/.json)")
     warm.set_defaults(run=_warm)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from chunkcache.core.serve import ServeSettings, run_server
+
+    given = {"host": args.host, "port": args.port, "model": args.model}
+    run_server(ServeSettings(**{k: v for k, v in given.items() if v is not None}))
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (more settings: CHUNKCACHE_SERVE_* env)"
+    )
+    serve.add_argument("--host", help="interface (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
+    serve.set_defaults(run=_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

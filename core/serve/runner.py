@@ -1,0 +1,127 @@
+"""Runs generation requests for the server: admission, a worker thread each, async pieces.
+
+The engine is blocking, so every request's ``backend.stream`` runs in its own worker
+thread (:func:`~chunkcache.core.prompting.aiterate`) and the event loop never waits on
+it.  Admission is bounded: at most ``max_batch + max_queue`` requests are in flight; one
+more is refused with :class:`QueueFullError` (a 429) before it costs anything.  A backend
+with its own queue (continuous batching) may refuse too, before its first token.  After
+:meth:`Runner.close` new requests get :class:`ShuttingDownError` (a 503).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import AsyncGenerator
+
+from chunkcache.core.errors import QueueFullError, ShuttingDownError
+from chunkcache.core.generation import Backend, GenerationChunk, GenerationRequest
+from chunkcache.core.prompting import aiterate, run_stream
+from chunkcache.core.serve.metrics import ServeMetrics
+
+EMA_WEIGHT = 0.2  # of the newest request in the running mean of request seconds
+
+
+class Ticket:
+    """One admitted request's place; released exactly once (also when dropped unreleased)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner: Runner | None = runner
+
+    def release(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner._leave()
+
+    __del__ = release
+
+
+class Runner:
+    """Admits requests up to a bound and streams their pieces from worker threads."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: ServeMetrics,
+        max_in_flight: int,
+        parallel: int = 1,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.max_in_flight = max_in_flight
+        self.parallel = parallel
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+        self.closing = False
+        self._mean_request_s = retry_after_s
+        self._lock = threading.Lock()
+
+    def admit(self) -> Ticket:
+        """A place for one request, or QueueFullError / ShuttingDownError."""
+        with self._lock:
+            if self.closing:
+                raise ShuttingDownError("the server is shutting down")
+            if self.in_flight >= self.max_in_flight:
+                waiting = self.in_flight - self.parallel + 1
+                retry = max(self.retry_after_s, self._mean_request_s * waiting / self.parallel)
+                raise QueueFullError(
+                    f"{self.in_flight} requests in flight, the most this server takes",
+                    retry_after_s=math.ceil(retry),
+                )
+            self.in_flight += 1
+        return Ticket(self)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    async def open(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk]:
+        """Admit ``request`` and run it up to its first piece, so a refusal or bad input
+        raises here, before any response starts; the returned iterator yields every piece
+        (the last carries the stats).  Closing it early closes the backend's stream."""
+        ticket = self.admit()
+        pieces = aiterate(run_stream(self.backend, request))
+        try:
+            first = await anext(pieces)
+        except BaseException as error:
+            ticket.release()
+            await pieces.aclose()
+            self._count("refused" if isinstance(error, QueueFullError) else "failed")
+            raise
+        return self._rest(ticket, first, pieces)
+
+    async def _rest(
+        self, ticket: Ticket, first: GenerationChunk, pieces: AsyncGenerator[GenerationChunk]
+    ) -> AsyncGenerator[GenerationChunk]:
+        outcome = "cancelled"
+        try:
+            piece = first
+            while piece.stats is None:
+                yield piece
+                piece = await anext(pieces)
+            # Counted before the last piece goes out: its consumer may stop right there.
+            outcome = "completed"
+            self._finished(piece.stats.total_s)
+            self.metrics.generation(piece.stats)
+            ticket.release()
+            yield piece
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            ticket.release()
+            self._count(outcome)
+            await pieces.aclose()
+
+    def _finished(self, seconds: float) -> None:
+        with self._lock:
+            self._mean_request_s += EMA_WEIGHT * (seconds - self._mean_request_s)
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.inc("chunkcache_generations_total", "generations by outcome", outcome=outcome)
+
+    def close(self) -> None:
+        """Refuse new requests from now on (those in flight go on)."""
+        with self._lock:
+            self.closing = True

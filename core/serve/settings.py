@@ -1,0 +1,51 @@
+"""``chunkcache serve``'s configuration.
+
+Values come from, highest first: keyword arguments (the command line), environment
+variables ``CHUNKCACHE_SERVE_<FIELD>`` (e.g. ``CHUNKCACHE_SERVE_API_KEY=...``), then the
+defaults below.  The KV store has its own settings, :class:`~chunkcache.core.store.settings.
+StoreSettings` (``CHUNKCACHE_STORE_*``): servers on one host that share its disk directory
+and Redis url reuse each other's chunk KV.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    """Where the server listens, what it runs, and the limits it enforces."""
+
+    model_config = SettingsConfigDict(env_prefix="CHUNKCACHE_SERVE_", extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="interface to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    model: str | None = Field(
+        default=None, description="checkpoint directory or GGUF file; None: the default model"
+    )
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        default="bfloat16", description="engine dtype (bf16 is ~4x faster on AMX CPUs)"
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
+    )
+    max_queue: int = Field(
+        default=64, ge=1, description="requests waiting beyond the running batch; 429 when full"
+    )
+    max_batch: int = Field(default=8, ge=1, description="requests decoded together")
+    max_body_bytes: int = Field(default=4 * 2**20, ge=1024, description="413 above this")
+    max_prompt_chars: int = Field(default=200_000, ge=1, description="400 above this")
+    max_tokens_limit: int = Field(
+        default=2048, ge=1, description="largest max_tokens a request may ask for (400 above)"
+    )
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="max_tokens of a request that names none"
+    )
+    shutdown_timeout_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM/SIGINT, finish in-flight work this long"
+    )
+    retry_after_s: float = Field(
+        default=1.0, gt=0, description="Retry-After of a 429 when the backend gives none"
+    )
