@@ -1,0 +1,199 @@
+"""``HttpBackend``: the :class:`Backend` that runs prompts on a ``chunkcache serve`` server.
+
+The prompt's segments travel as a text completion whose ``chunkcache`` extension names
+every chunk (id and text) and turns off the server's own matching, so the server splits
+the prompt exactly as this process did; the text streams back as SSE and the final
+usage carries the server's :class:`GenerationStats`.  Chat templates are applied by the
+server (``POST /v1/chunkcache/render``), which holds the tokenizer.
+
+>>> backend = HttpBackend("http://127.0.0.1:8000")  # doctest: +SKIP
+>>> llm = ChunkCacheLLM(cache=ChunkCache(backend=backend))  # doctest: +SKIP
+
+Errors: the server unreachable, timing out or failing -> :class:`BackendUnavailableError`;
+a 429 -> :class:`QueueFullError` (with the server's Retry-After); a 503 ->
+:class:`ShuttingDownError`; a 400 -> ValueError with the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import fields
+from typing import Any
+
+import httpx
+
+from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
+from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
+from chunkcache.core.segmenter import ChunkSegment
+
+_STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
+
+
+class HttpBackend:
+    """A ``chunkcache serve`` server at ``base_url`` (``http://host:port``, ``/v1`` optional)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        root = base_url.rstrip("/")
+        root = root.removesuffix("/v1")
+        if not root.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) url, got {base_url!r}")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = root
+        self._model = model
+        self._context_window: int | None = None
+        self._client = httpx.Client(
+            base_url=root, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (asked from ``/v1/models`` unless given)."""
+        if self._model is None:
+            self._load_model_info()
+        assert self._model is not None
+        return self._model
+
+    @property
+    def context_window(self) -> int | None:
+        """The served model's context length, as ``/v1/models`` reports it."""
+        if self._context_window is None:
+            self._load_model_info()
+        return self._context_window
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The server's chat template applied to ``messages``."""
+        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        with self._request("POST", "/v1/chunkcache/render", body) as response:
+            response.read()
+            return str(response.json()["prompt"])
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """Run ``request`` on the server, yielding text as it arrives; the last piece
+        carries the server's stats."""
+        stats: GenerationStats | None = None
+        with self._request("POST", "/v1/completions", self._body(request)) as response:
+            try:
+                for event in _events(response.iter_lines()):
+                    if "error" in event:
+                        raise BackendUnavailableError(
+                            f"chunkcache serve failed mid-stream: {event['error'].get('message')}"
+                        )
+                    for choice in event.get("choices", ()):
+                        if choice.get("text"):
+                            yield GenerationChunk(choice["text"])
+                    if event.get("usage"):
+                        stats = _stats(event["usage"])
+            except httpx.HTTPError as error:
+                raise BackendUnavailableError(f"chunkcache serve stream broke: {error}") from error
+        if stats is None:
+            raise BackendUnavailableError("chunkcache serve ended the stream without usage")
+        yield GenerationChunk("", stats)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        chunks = {s.chunk_id: s.text for s in request.segments if isinstance(s, ChunkSegment)}
+        params = request.sampling
+        return {
+            "model": self.model_name,
+            "prompt": "".join(segment.text for segment in request.segments),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stop": list(params.stop) or None,
+            "seed": params.seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "chunkcache": {
+                "chunks": [{"id": cid, "text": text} for cid, text in chunks.items()],
+                "match_registered": False,
+                "policy": request.policy,
+                "recompute_ratio": request.recompute_ratio,
+                "conversation_id": request.conversation_id,
+            },
+        }
+
+    def _load_model_info(self) -> None:
+        with self._request("GET", "/v1/models") as response:
+            response.read()
+            model = response.json()["data"][0]
+        self._model = self._model or str(model["id"])
+        self._context_window = model.get("max_model_len")
+
+    def _request(self, method: str, path: str, body: Any = None) -> _Response:
+        return _Response(self._client, method, path, body)
+
+
+class _Response:
+    """A streamed request whose failures become chunkcache errors on entry."""
+
+    def __init__(self, client: httpx.Client, method: str, path: str, body: Any) -> None:
+        self._context = client.stream(method, path, json=body)
+
+    def __enter__(self) -> httpx.Response:
+        try:
+            response = self._context.__enter__()
+        except httpx.HTTPError as error:
+            raise BackendUnavailableError(f"chunkcache serve unreachable: {error}") from error
+        if response.status_code >= 400:
+            try:
+                _raise_for(response)
+            finally:
+                self._context.__exit__(None, None, None)
+        return response
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _raise_for(response: httpx.Response) -> None:
+    response.read()
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    status = response.status_code
+    if status == 429:
+        retry = float(response.headers.get("retry-after", "1") or 1)
+        raise QueueFullError(f"chunkcache serve is full: {message}", retry_after_s=retry)
+    if status == 503:
+        raise ShuttingDownError(f"chunkcache serve is shutting down: {message}")
+    if status in (400, 404, 413):
+        raise ValueError(f"chunkcache serve refused the request ({status}): {message}")
+    raise BackendUnavailableError(f"chunkcache serve answered {status}: {message}")
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _stats(usage: Mapping[str, Any]) -> GenerationStats:
+    """The server's GenerationStats from a usage object (OpenAI fields if no extension)."""
+    extension = usage.get("chunkcache")
+    if isinstance(extension, Mapping):
+        return GenerationStats(**{k: v for k, v in extension.items() if k in _STATS_FIELDS})
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return GenerationStats(
+        policy="unknown",
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        reused_tokens=cached,
+        computed_tokens=usage.get("prompt_tokens", 0) - cached,
+        completion_tokens=usage.get("completion_tokens", 0),
+    )
