@@ -1,0 +1,60 @@
+"""One decoder-layer step for B sequences decoding one token each (continuous batching).
+
+Each sequence has its own merged KV of its own length. The row-wise work (norms, Q/K/V/O
+projections, MLP) runs on the ``[B, E]`` batch at once, so a decode step reads every weight
+once for all B sequences instead of once per sequence; that is what makes batching pay on a
+memory-bound CPU decode. Each row is rotated at its own position, its K/V is written into its
+own sequence, and it attends over its own sequence, one SDPA call per row.
+
+Looping over the rows beat padding them into one batch on this CPU (2 cores, AMX; SmolLM2
+shapes, bf16, 8 sequences of 300-1,200 tokens, 2026-11-23): the padded batch has to copy
+every sequence's K/V into a ``[B, H_kv, S_max, D]`` buffer each layer and step, which cost
+more than the B small attention calls it replaces (see ``core/batching.py`` for numbers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from chunkcache.kernels.rope import apply_rope
+
+
+def batch_layer_step(
+    layer: Any, x: Tensor, cos: Tensor, sin: Tensor, kvs: Sequence[tuple[Tensor, Tensor]]
+) -> Tensor:
+    """Run a Hugging Face Llama/Mistral/Qwen2 decoder ``layer`` for one new token per sequence.
+
+    Row ``b`` of ``x`` is the newest token of sequence ``b``; ``kvs[b]`` are views of that
+    sequence's layer keys and values whose last slot is the new token's (written here, in
+    place). ``cos``/``sin`` hold each row's RoPE at its own position. Returns the rows' output
+    hidden states (attention and MLP, each with its residual).
+    """
+    # x: [B, E]; cos, sin: [B, D]; kvs[b]: ([H_kv, S_b, D], [H_kv, S_b, D])
+    if len(kvs) != x.shape[0]:
+        raise ValueError(f"{x.shape[0]} rows but {len(kvs)} sequences")
+    attn = layer.self_attn
+    rows, head_dim = x.shape[0], attn.head_dim
+    h = layer.input_layernorm(x)  # h: [B, E]
+    q = attn.q_proj(h).view(rows, -1, head_dim).transpose(0, 1)  # q: [H, B, D]
+    k_new = attn.k_proj(h).view(rows, -1, head_dim).transpose(0, 1)  # k_new: [H_kv, B, D]
+    v_new = attn.v_proj(h).view(rows, -1, head_dim).transpose(0, 1)  # v_new: [H_kv, B, D]
+    q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
+    out = x.new_empty(rows, q.shape[0] * head_dim)  # out: [B, H * D]
+    for row, (k, v) in enumerate(kvs):
+        k[:, -1], v[:, -1] = k_new[:, row], v_new[:, row]
+        out[row] = _attend_last(q[:, row : row + 1], k, v, attn.scaling)
+    x = x + attn.o_proj(out)  # x: [B, E]
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _attend_last(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Attention of a sequence's newest token over all its keys (no mask: it sees them all)."""
+    # q: [H, 1, D]; k, v: [H_kv, S, D] -> [H * D]
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], scale=scale, enable_gqa=True
+    )  # out: [1, H, 1, D]
+    return out.flatten()
