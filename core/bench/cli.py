@@ -89,6 +89,9 @@ def add_bench_parser(commands: Any) -> None:
     _add_rag_parser(bench)
     _add_store_parser(bench)
     _add_summary_parser(bench)
+    from chunkcache.core.serve.loadtest_run import add_bench_serve_parser
+
+    add_bench_serve_parser(bench)
 
 
 def _add_rag_parser(bench: Any) -> None:

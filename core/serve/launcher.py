@@ -38,14 +38,7 @@ def serve_process(
     ``env`` adds to this process's environment (e.g. ``CHUNKCACHE_STORE_DISK_DIR``);
     the server's output goes to ``log`` (discarded if None).
     """
-    port = free_port()
-    command = [sys.executable, "-m", "chunkcache.core.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), *args]
-    output: IO[bytes] | int = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, output = start_process(*args, env=env, log=log)
     try:
         wait_healthy(url, timeout_s, proc)
         yield url, proc
@@ -53,6 +46,22 @@ def serve_process(
         stop(proc)
         if not isinstance(output, int):
             output.close()
+
+
+def start_process(
+    *args: str, env: Mapping[str, str] | None = None, log: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str, IO[bytes] | int]:
+    """Start ``chunkcache serve ARGS`` on a free port without waiting for it: the process,
+    its url and its output file (close it after the process ends).  Prefer
+    :func:`serve_process`; this lets a caller start several servers loading at once."""
+    port = free_port()
+    command = [sys.executable, "-m", "chunkcache.core.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *args]
+    output: IO[bytes] | int = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT
+    )
+    return proc, f"http://127.0.0.1:{port}", output
 
 
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:

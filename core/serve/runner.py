@@ -23,17 +23,19 @@ EMA_WEIGHT = 0.2  # of the newest request in the running mean of request seconds
 
 
 class Ticket:
-    """One admitted request's place; released exactly once (also when dropped unreleased)."""
+    """One admitted request's place, given back exactly once with the request's outcome
+    (``completed``, ``failed``, ``refused``; ``cancelled`` when dropped unreleased)."""
 
     def __init__(self, runner: Runner) -> None:
         self._runner: Runner | None = runner
 
-    def release(self) -> None:
+    def release(self, outcome: str = "cancelled") -> None:
         runner, self._runner = self._runner, None
         if runner is not None:
-            runner._leave()
+            runner._leave(outcome)
 
-    __del__ = release
+    def __del__(self) -> None:
+        self.release()
 
 
 class Runner:
@@ -72,9 +74,10 @@ class Runner:
             self.in_flight += 1
         return Ticket(self)
 
-    def _leave(self) -> None:
+    def _leave(self, outcome: str) -> None:
         with self._lock:
             self.in_flight -= 1
+        self.metrics.inc("chunkcache_generations_total", "generations by outcome", outcome=outcome)
 
     async def open(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk]:
         """Admit ``request`` and run it up to its first piece, so a refusal or bad input
@@ -85,41 +88,38 @@ class Runner:
         try:
             first = await anext(pieces)
         except BaseException as error:
-            ticket.release()
+            ticket.release("refused" if isinstance(error, QueueFullError) else "failed")
             await pieces.aclose()
-            self._count("refused" if isinstance(error, QueueFullError) else "failed")
             raise
         return self._rest(ticket, first, pieces)
 
     async def _rest(
         self, ticket: Ticket, first: GenerationChunk, pieces: AsyncGenerator[GenerationChunk]
     ) -> AsyncGenerator[GenerationChunk]:
-        outcome = "cancelled"
+        """Every piece from ``first`` on.  Closed or dropped before its end, the request
+        counts as cancelled (the ticket's default) and ``pieces`` closes the backend's
+        stream (explicitly here, or by asyncio's async-generator finalizer when this
+        generator never started)."""
         try:
             piece = first
             while piece.stats is None:
                 yield piece
                 piece = await anext(pieces)
             # Counted before the last piece goes out: its consumer may stop right there.
-            outcome = "completed"
             self._finished(piece.stats.total_s)
             self.metrics.generation(piece.stats)
-            ticket.release()
+            ticket.release("completed")
             yield piece
         except Exception:
-            outcome = "failed"
+            ticket.release("failed")
             raise
         finally:
             ticket.release()
-            self._count(outcome)
             await pieces.aclose()
 
     def _finished(self, seconds: float) -> None:
         with self._lock:
             self._mean_request_s += EMA_WEIGHT * (seconds - self._mean_request_s)
-
-    def _count(self, outcome: str) -> None:
-        self.metrics.inc("chunkcache_generations_total", "generations by outcome", outcome=outcome)
 
     def close(self) -> None:
         """Refuse new requests from now on (those in flight go on)."""

@@ -1,0 +1,207 @@
+"""``chunkcache bench serve``: run the load test and write ``docs/benchmarks/serve.{json,md}``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chunkcache.core.bench.report import environment, percentile
+from chunkcache.core.serve.loadtest import (
+    LoadTest,
+    LoadTestConfig,
+    MemorySampler,
+    check,
+    server_counters,
+)
+
+MiB = 2**20
+FLAT_SHARE = 0.05  # resident memory "flat": grew by less than 5% (or 32 MiB) after warm-up
+FLAT_MIB = 32
+
+
+@contextlib.contextmanager
+def _server(config: LoadTestConfig) -> Iterator[tuple[str, int | None]]:
+    """The server under test: ``config.url``, or a fresh one with a throwaway store."""
+    if config.url is not None:
+        yield config.url.rstrip("/"), None
+        return
+    from chunkcache.core.serve.launcher import serve_process
+
+    with tempfile.TemporaryDirectory(prefix="chunkcache-loadtest-") as folder:
+        env = {
+            "CHUNKCACHE_STORE_DISK_DIR": folder,
+            "CHUNKCACHE_STORE_HOST_BYTES": str(config.host_mib * MiB),
+        }
+        log = Path(folder) / "serve.log"
+        with serve_process(env=env, log=log) as (url, proc):
+            yield url, proc.pid
+
+
+def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
+    """Run the load test; write the report when ``config.out`` is set; the results."""
+    from chunkcache.core.corpus import load_corpus
+
+    chunks = [c.text for c in load_corpus(max_chunks=config.pool)]
+    with _server(config) as (url, pid):
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        test = LoadTest(config, url, chunks, model)
+        before = server_counters(url)
+        sampler = MemorySampler(pid) if pid is not None else contextlib.nullcontext()
+        with sampler:
+            wall_s = asyncio.run(test.run())
+        after = server_counters(url)
+    results = summarize_run(config, test, wall_s, before, after, sampler)
+    results["command"] = command
+    if config.out is not None:
+        config.out.mkdir(parents=True, exist_ok=True)
+        (config.out / f"{config.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (config.out / f"{config.name}.md").write_text(markdown(results))
+    return results
+
+
+def summarize_run(
+    config: LoadTestConfig,
+    test: LoadTest,
+    wall_s: float,
+    before: dict[str, float],
+    after: dict[str, float],
+    sampler: Any,
+) -> dict[str, Any]:
+    outcomes = test.outcomes
+    counts = check(outcomes)
+    done = [o for o in outcomes if o.status == 200 and o.error is None]
+    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+    latency = [o.latency_s for o in done]
+    server = {k: after[k] - before[k] for k in after}
+    counts["server_disagrees"] = int(
+        server["completed"] != counts["completed"] or server["http_429"] != counts["rejected_429"]
+    )
+    prompt = sum(o.prompt_tokens for o in done)
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "environment": environment(["fastapi", "uvicorn", "httpx", "torch", "transformers"]),
+        "wall_s": wall_s,
+        "counts": counts,
+        "server_counts": server,
+        "throughput": {
+            "requests_per_s": len(done) / wall_s,
+            "output_tokens_per_s": sum(o.completion_tokens for o in done) / wall_s,
+        },
+        "ttft_s": _percentiles(ttft),
+        "latency_s": _percentiles(latency),
+        "cached_token_share": sum(o.cached_tokens for o in done) / prompt if prompt else 0.0,
+        "memory": memory(getattr(sampler, "samples", []), config.warmup_s),
+        "ok": not any(counts[k] for k in ("errors", "lost", "answered_twice", "wrong_echo"))
+        and not counts["server_disagrees"],
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "p50": percentile(values, 0.5),
+        "p99": percentile(values, 0.99),
+        "mean": statistics.fmean(values),
+        "max": max(values),
+    }
+
+
+def memory(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
+    """Resident memory after warm-up: median of its first and last thirds, and the growth."""
+    after = [rss for t, rss in samples if t >= warmup_s]
+    if len(after) < 3:
+        return {"samples": len(samples)}
+    third = len(after) // 3
+    early, late = statistics.median(after[:third]), statistics.median(after[-third:])
+    growth = late - early
+    return {
+        "samples": len(samples),
+        "early_mib": early / MiB,
+        "late_mib": late / MiB,
+        "max_mib": max(after) / MiB,
+        "growth_mib": growth / MiB,
+        "flat": growth < max(FLAT_SHARE * early, FLAT_MIB * MiB),
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The report as markdown."""
+    c, cfg, env = results["counts"], results["config"], results["environment"]
+    ttft, lat, mem, tp = (results[k] for k in ("ttft_s", "latency_s", "memory", "throughput"))
+    lines = [
+        "# chunkcache serve: load test over loopback",
+        "",
+        f"`{results['command']}`: {cfg['clients']} concurrent streaming clients for "
+        f"{cfg['duration_s']:.0f} s on the default model, {cfg['chunks_per_prompt']} chunks "
+        f"of a {cfg['pool']}-chunk pool per prompt, {cfg['max_tokens']} output tokens.",
+        "",
+        f"Result: **{'pass' if results['ok'] else 'FAIL'}** (no errors but 429s, no request "
+        "lost or answered twice, server counters agree with the client's).",
+        "",
+        "| requests | completed | 429 | errors | lost | answered twice | server disagrees |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {c['requests']} | {c['completed']} | {c['rejected_429']} | {c['errors']} | "
+        f"{c['lost']} | {c['answered_twice']} | {c['server_disagrees']} |",
+        "",
+        "| throughput | TTFT p50 | TTFT p99 | latency p50 | latency p99 | cached tokens |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} tok/s | "
+        f"{ttft.get('p50', 0):.2f} s | {ttft.get('p99', 0):.2f} s | {lat.get('p50', 0):.2f} s | "
+        f"{lat.get('p99', 0):.2f} s | {results['cached_token_share']:.0%} |",
+        "",
+    ]
+    if "growth_mib" in mem:
+        lines += [
+            f"Server resident memory after {cfg['warmup_s']:.0f} s of warm-up: "
+            f"{mem['early_mib']:.0f} MiB (first third, median) -> {mem['late_mib']:.0f} MiB "
+            f"(last third), growth {mem['growth_mib']:+.1f} MiB, max {mem['max_mib']:.0f} MiB: "
+            f"**{'flat' if mem['flat'] else 'GROWING'}**.",
+            "",
+        ]
+    lines += ["Machine and versions:", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def add_bench_serve_parser(bench: Any) -> None:
+    """Add ``serve`` to ``chunkcache bench``'s subcommands."""
+    parser = bench.add_parser("serve", help="load test of chunkcache serve over loopback")
+    defaults = LoadTestConfig()
+    parser.add_argument("--clients", type=int, default=defaults.clients)
+    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds")
+    parser.add_argument("--warmup", type=float, default=defaults.warmup_s, help="seconds")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--url", help="test this running server instead of starting one")
+    parser.add_argument("--out", type=Path, default=defaults.out)
+    parser.set_defaults(run=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    config = LoadTestConfig(
+        clients=args.clients,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        max_tokens=args.max_tokens,
+        url=args.url,
+        out=args.out,
+    )
+    results = run_loadtest(config, shlex.join(["chunkcache", *sys.argv[1:]]))
+    print(markdown(results))
+    if not results["ok"]:
+        raise SystemExit(1)
+
+
+__all__ = ["add_bench_serve_parser", "run_loadtest"]
