@@ -14,8 +14,8 @@ from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import load_model
-from chunkcache.core.sampling import StopChecker
 from chunkcache.core.store.hooks import prefetch
+from chunkcache.core.text_stream import TextStream
 from chunkcache.core.tokenization import SegmentTokenizer, render_chat
 
 
@@ -55,10 +55,10 @@ class LocalBackend:
         started = time.perf_counter()
         segments = self.segment_tokenizer(request.segments)
         params = request.sampling
-        stop = StopChecker(params.stop)
         # Start moving this request's chunks up to host memory while it waits for the lock.
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
         prefetch(self.engine.store, self.engine.lm.fingerprint, chunk_ids)
+        text = TextStream(self.tokenizer, self.eos_ids, params.stop)
         with self._lock:
             prefilled = self.engine.prefill(
                 segments,
@@ -68,29 +68,18 @@ class LocalBackend:
                 reserve=params.max_tokens,
             )
             stats = prefilled.stats
-            generated: list[int] = []
-            emitted = ""
-            stats.finish_reason = "length"
             for token in self.engine.decode(prefilled, params):
-                if not generated:
+                if not text.tokens and not text.finished:
                     stats.ttft_s = time.perf_counter() - started
-                if token in self.eos_ids:
-                    stats.finish_reason = "stop"
-                    break
-                generated.append(token)
-                text, stopped = stop.split(
-                    self.tokenizer.decode(generated, skip_special_tokens=True)
-                )
-                if stopped:
-                    stats.finish_reason = "stop"
-                if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                    yield GenerationChunk(text[len(emitted) :])
-                    emitted = text
-                if stopped:
+                piece = text.push(token)
+                if piece:
+                    yield GenerationChunk(piece)
+                if text.finished:
                     break
             if request.conversation_id is not None:
                 self.engine.remember(request.conversation_id, prefilled)
-        final = stop.final(self.tokenizer.decode(generated, skip_special_tokens=True))
-        stats.completion_tokens = len(generated)
+        final = text.finish()
+        stats.finish_reason = text.finish_reason
+        stats.completion_tokens = len(text.tokens)
         stats.total_s = time.perf_counter() - started
-        yield GenerationChunk(final[len(emitted) :], stats)
+        yield GenerationChunk(final, stats)

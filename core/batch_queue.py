@@ -1,0 +1,131 @@
+"""The requests of a :class:`~chunkcache.core.batching.BatchingBackend`: jobs, their consumers'
+handles, and the cache-aware waiting queue (RAGCache §5.2)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkcache.core.engine import Prefilled, TokenSegment
+from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.generation import GenerationChunk, GenerationRequest
+from chunkcache.core.kv_store import KVStore
+from chunkcache.core.store.reorder import CacheAwareQueue
+from chunkcache.core.store.tiered import TieredKVStore
+from chunkcache.core.text_stream import TextStream
+
+Event = GenerationChunk | BaseException
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the scheduler: its prompt, its state, and the events for its consumer.
+
+    A running job has ``prefilled`` set and ``pending`` = the token sampled last, whose K/V
+    the next batched decode step computes.
+    """
+
+    request: GenerationRequest
+    segments: list[TokenSegment]
+    text: TextStream
+    submitted: float = field(default_factory=time.perf_counter)
+    events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted: float = 0.0
+    prefilled: Prefilled | None = None
+    pending: int = 0
+    num_steps: int = 0  # batched decode steps this job took part in
+    batch_rows: int = 0  # sum of those steps' batch sizes
+    generator: torch.Generator | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        seed = self.request.sampling.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    @property
+    def state(self) -> Prefilled:
+        """The prefilled prompt and the tokens decoded so far (set once admitted)."""
+        if self.prefilled is None:
+            raise RuntimeError("the job has not been prefilled")
+        return self.prefilled
+
+    @property
+    def done(self) -> bool:
+        """EOS, a stop string, or ``max_tokens`` sampled."""
+        return self.text.finished or len(self.text.tokens) >= self.request.sampling.max_tokens
+
+
+class RequestHandle:
+    """The consumer's side of a submitted request: iterate it for the generated pieces.
+
+    The last piece carries the stats; an error inside the request (e.g. a prompt too long)
+    is raised from the iteration. Closing the iterator early (``break`` then dropping it,
+    or ``close()``) or calling :meth:`cancel` cancels the request: it leaves the batch at the
+    scheduler's next step.
+    """
+
+    def __init__(self, job: Job, scheduler_alive: Callable[[], bool]) -> None:
+        self._job = job
+        self._scheduler_alive = scheduler_alive
+
+    def cancel(self) -> None:
+        """Stop generating for this request (no effect once it ended)."""
+        self._job.cancelled.set()
+
+    def __iter__(self) -> Iterator[GenerationChunk]:
+        return self._chunks()
+
+    def _chunks(self) -> Iterator[GenerationChunk]:
+        try:
+            while True:
+                try:
+                    event = self._job.events.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._scheduler_alive():
+                        raise BackendUnavailableError("the batching scheduler stopped") from None
+                    continue
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.stats is not None:
+                    return
+        finally:
+            self.cancel()
+
+
+class JobQueue(CacheAwareQueue[Job]):
+    """:class:`CacheAwareQueue` of jobs that can also drop cancelled jobs and re-read every
+    waiting job's cached length (the store changes while they wait)."""
+
+    def discard(self, drop: Callable[[Job], bool]) -> list[Job]:
+        """Remove and return the waiting jobs for which ``drop`` is true."""
+        drops = [drop(waiting.item) for waiting in self._waiting]  # once each: flags may flip
+        dropped = [w.item for w, gone in zip(self._waiting, drops, strict=True) if gone]
+        self._waiting = [w for w, gone in zip(self._waiting, drops, strict=True) if not gone]
+        return dropped
+
+    def refresh(self, count: Callable[[Job], tuple[int, int]]) -> None:
+        """Set every waiting job's (cached, to compute) tokens to ``count(job)``."""
+        for waiting in self._waiting:
+            waiting.cached_tokens, waiting.compute_tokens = count(waiting.item)
+
+
+def cached_tokens(
+    store: KVStore, fingerprint: str, segments: Sequence[TokenSegment]
+) -> tuple[int, int]:
+    """RAGCache's cached and computation lengths of a waiting prompt, estimated from the store:
+    a segment counts as cached when any variant of it is stored (no loading, no LRU touch for
+    a tiered store). Selective recompute and a conversation's own past are not counted."""
+    cached = sum(len(s.ids) for s in segments if _holds(store, fingerprint, s.segment_id))
+    return cached, sum(len(s.ids) for s in segments) - cached
+
+
+def _holds(store: KVStore, fingerprint: str, segment_id: str) -> bool:
+    if isinstance(store, TieredKVStore):
+        return store.contains_segment(fingerprint, segment_id)
+    return bool(store.variants(fingerprint, segment_id))
