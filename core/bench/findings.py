@@ -212,30 +212,42 @@ def _rag_speed(workload: str, figures: dict[str, Any]) -> list[Finding]:
 
 
 def _rag_accuracy(workload: str, figures: dict[str, Any]) -> list[Finding]:
-    scored = {name: row["accuracy"] for name, row in figures.items() if "accuracy" in row}
+    scored = {name: row for name, row in figures.items() if "accuracy" in row}
     if not scored:
         return []
     by_layout: dict[str, list[float]] = {}
-    for name, accuracy in scored.items():
-        by_layout.setdefault(name.rsplit(" / ", 1)[-1], []).append(accuracy)
+    for name, row in scored.items():
+        by_layout.setdefault(name.rsplit(" / ", 1)[-1], []).append(row["accuracy"])
     means = {layout: sum(a) / len(a) for layout, a in by_layout.items()}
     parts = ", ".join(f"{layout} layout {mean:.0%}" for layout, mean in sorted(means.items()))
-    reference = scored.get("full / plain")
+    text = f"{workload}: gold-answer exact match, mean over systems: {parts}"
+    reference_row = scored.get("full / plain")
+    if reference_row is None:
+        return [Finding("rag", "even", text + ".")]
+    reference, questions = reference_row["accuracy"], reference_row["requests"]
     worst = min(means.values())
-    verdict: Verdict = "loss" if reference is not None and worst < reference - 0.1 else "even"
+    # Two standard errors of the difference of two accuracies over ``questions`` answers.
+    noise = 2 * ((reference * (1 - reference) + worst * (1 - worst)) / questions) ** 0.5
+    text += f" (full prefill, plain layout: {reference:.0%}; over {questions} questions "
+    if reference - worst > noise:
+        return [
+            Finding(
+                "rag",
+                "loss",
+                text + f"a gap over twice its standard error, {noise:.0%}).",
+                "Find out why one layout loses answers that full prefill gets: chunkcache's "
+                "layout differs in chunk order (frequency ordering moves often-retrieved "
+                "chunks ahead of the retriever's first) and in where the chunks sit (the "
+                "user turn, not the system message); measure each alone.",
+            )
+        ]
     return [
         Finding(
             "rag",
-            verdict,
-            f"{workload}: gold-answer exact match, mean over systems: {parts}"
-            + (
-                f" (full prefill, plain layout: {reference:.0%})." if reference is not None else "."
-            ),
-            "Find out why one layout loses answers that full prefill gets: chunkcache's "
-            "layout differs in chunk order (frequency ordering moves often-retrieved chunks, "
-            "such as shared distractors, ahead of the retriever's first) and in where the "
-            "chunks sit (the user turn, not the system message); measure each alone."
-            if verdict == "loss"
+            "even",
+            text + f"a gap within twice its standard error, {noise:.0%}).",
+            f"Run more gold questions: {questions} cannot tell the layouts apart."
+            if reference - worst > 0
             else None,
         )
     ]
