@@ -3,7 +3,8 @@
 The store is :meth:`TieredKVStore.from_settings` (``CHUNKCACHE_STORE_*``): point several
 servers at one ``disk_dir`` (and one ``redis_url``) and each reuses the chunk KV the
 others computed (RAG-DCache §III, shared KV on disk).  The engine is the continuous-
-batching backend when this install has it, else the one-at-a-time local backend.
+batching backend when this install has it (``backend="auto"``), else the one-at-a-time
+local backend.
 
 SIGTERM / SIGINT: the server stops taking connections, new requests get a 503, requests
 in flight run to their end for up to ``shutdown_timeout_s`` (then they are cancelled and
@@ -30,20 +31,24 @@ def build_backend(settings: ServeSettings, store: Any) -> Any:
     import torch
 
     dtype = getattr(torch, settings.dtype)
-    try:
-        batching = importlib.import_module("chunkcache.core.batching")
-    except ImportError:
-        from chunkcache.core.local_backend import LocalBackend
+    if settings.backend != "local":
+        try:
+            batching = importlib.import_module("chunkcache.core.batching")
+        except ImportError:
+            if settings.backend == "batching":
+                raise
+        else:
+            return batching.BatchingBackend.default(
+                settings.model,
+                dtype=dtype,
+                store=store,
+                max_queue=settings.max_queue,
+                max_batch=settings.max_batch,
+            )
+    from chunkcache.core.local_backend import LocalBackend
 
-        log.info("chunkcache serve: no batching backend in this install, one request at a time")
-        return LocalBackend.default(settings.model, dtype=dtype, store=store)
-    return batching.BatchingBackend.default(
-        settings.model,
-        dtype=dtype,
-        store=store,
-        max_queue=settings.max_queue,
-        max_batch=settings.max_batch,
-    )
+    log.info("chunkcache serve: the local backend, one request at a time")
+    return LocalBackend.default(settings.model, dtype=dtype, store=store)
 
 
 def run_server(settings: ServeSettings) -> None:

@@ -28,6 +28,11 @@ class ServeSettings(BaseSettings):
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         default="bfloat16", description="engine dtype (bf16 is ~4x faster on AMX CPUs)"
     )
+    backend: Literal["auto", "batching", "local"] = Field(
+        default="auto",
+        description="batching: continuous batching; local: one request at a time; "
+        "auto: batching when this install has it",
+    )
     api_key: SecretStr | None = Field(
         default=None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
     )
