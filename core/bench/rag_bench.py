@@ -1,20 +1,24 @@
 """``chunkcache bench rag``: every system replays the same RAG requests, side by side.
 
-A system is a generator (Hugging Face ``generate``, or the engine with one recompute
-policy) inside one of the two LangChain apps of :mod:`.rag_chains` (``plain`` or
-``chunkcache`` layout).  Each system gets its own :class:`ChunkCache` and KV store, so
-what one computed never serves another, and replays every request of the workload
-through ``chain.invoke`` exactly as an app would.  Systems run one after another (their
-KV is freed in between); each records the CPU other processes used meanwhile.
+A system is a generator (Hugging Face ``generate``, the engine with one recompute
+policy, or a vLLM server with prefix caching off or on) inside one of the two LangChain
+apps of :mod:`.rag_chains` (``plain`` or ``chunkcache`` layout).  Each system gets its
+own :class:`ChunkCache` and KV store (vLLM: its own server), so what one computed never
+serves another, and replays every request of the workload through ``chain.invoke``
+exactly as an app would.  Systems run one after another (their KV is freed in between);
+each records the CPU other processes used meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from langchain_core.runnables import Runnable
 
 from chunkcache.core.bench.hf_backend import HFGenerateBackend
 from chunkcache.core.bench.policies import FULL, POLICY_RUNS, PolicyRun
@@ -28,7 +32,7 @@ from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 
-Generator = Literal["engine", "hf"]
+Generator = Literal["engine", "hf", "vllm"]
 Progress = Callable[[str], None]
 # Each engine system keeps a bounded store and few conversations: 15 systems share 24 GiB.
 DEFAULT_STORE_MIB = 512
@@ -45,12 +49,25 @@ class System:
     layout: Layout
 
 
+# vLLM's policy is its prefix caching: "full" runs the server with it off, "prefix" on.
+VLLM_PREFIX = PolicyRun("prefix", "prefix")
+VLLM_SYSTEMS = (
+    System("vllm prefix-caching off / plain", "vllm", FULL, "plain"),
+    System("vllm prefix-caching on / plain", "vllm", VLLM_PREFIX, "plain"),
+    System("vllm prefix-caching on / chunkcache", "vllm", VLLM_PREFIX, "chunkcache"),
+)
+
+
 def default_systems() -> list[System]:
-    """HF ``generate`` in the plain app, and the engine with every policy in both apps."""
+    """HF ``generate`` in the plain app, the engine with every policy in both apps, and
+    vLLM (when ``make vllm`` installed it) with prefix caching off, on, and on in the
+    chunkcache app."""
+    from chunkcache.core.vllm_server import vllm_installed
+
     systems = [System("hf generate / plain", "hf", FULL, "plain")]
     for layout in LAYOUTS:
         systems += [System(f"{r.name} / {layout}", "engine", r, layout) for r in POLICY_RUNS]
-    return systems
+    return systems + (list(VLLM_SYSTEMS) if vllm_installed() else [])
 
 
 def select_systems(names: Sequence[str] | None) -> list[System]:
@@ -76,11 +93,42 @@ class Record:
     stats: dict[str, Any]  # response_metadata["chunkcache"]
 
 
-def make_backend(system: System, lm: LoadedModel, store_mib: int) -> Backend:
-    if system.generator == "hf":
-        return HFGenerateBackend(lm)
-    store = MemoryKVStore(capacity_bytes=store_mib * 2**20)
-    return LocalBackend(ChunkEngine(lm, store, max_conversations=MAX_CONVERSATIONS))
+@contextlib.contextmanager
+def system_backend(system: System, lm: LoadedModel, store_mib: int) -> Iterator[Backend]:
+    """The system's backend; for vLLM, on a throwaway server stopped afterwards."""
+    if system.generator == "vllm":
+        from chunkcache.core.vllm_server import VllmServerConfig, vllm_server
+        from chunkcache.integrations.vllm import VllmBackend
+
+        config = VllmServerConfig(prefix_caching=system.run.policy == "prefix")
+        with vllm_server(config) as server:
+            backend = VllmBackend(server.base_url, server.model, tokenizer=lm.tokenizer)
+            try:
+                yield backend
+            finally:
+                backend.close()
+    elif system.generator == "hf":
+        yield HFGenerateBackend(lm)
+    else:
+        store = MemoryKVStore(capacity_bytes=store_mib * 2**20)
+        yield LocalBackend(ChunkEngine(lm, store, max_conversations=MAX_CONVERSATIONS))
+
+
+def system_chain(
+    system: System, backend: Backend, workload: Workload, max_tokens: int
+) -> Runnable[dict[str, Any], Any]:
+    """The system's LangChain app on ``backend``, with a fresh :class:`ChunkCache`."""
+    from chunkcache.integrations.langchain import ChunkCacheLLM
+
+    cache = ChunkCache(backend=backend)
+    ratio = system.run.ratio if system.run.ratio is not None else DEFAULT_RECOMPUTE_RATIO
+    llm = ChunkCacheLLM(
+        chunk_cache=cache,
+        recompute=system.run.policy,
+        recompute_ratio=ratio,
+        max_tokens=max_tokens,
+    )
+    return rag_chain(system.layout, llm, workload.retriever(), cache)
 
 
 def replay(
@@ -92,27 +140,29 @@ def replay(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run every request of ``workload`` on ``system``: its records and the CPU share."""
-    from chunkcache.integrations.langchain import ChunkCacheLLM
+    with system_backend(system, lm, store_mib) as backend:
+        chain = system_chain(system, backend, workload, max_tokens)
+        result = replay_chain(system.name, chain, workload, progress)
+        del chain
+    gc.collect()  # frees the system's KV before the next system runs
+    return result
 
-    cache = ChunkCache(backend=make_backend(system, lm, store_mib))
-    ratio = system.run.ratio if system.run.ratio is not None else DEFAULT_RECOMPUTE_RATIO
-    llm = ChunkCacheLLM(
-        chunk_cache=cache,
-        recompute=system.run.policy,
-        recompute_ratio=ratio,
-        max_tokens=max_tokens,
-    )
-    chain = rag_chain(system.layout, llm, workload.retriever(), cache)
+
+def replay_chain(
+    name: str,
+    chain: Runnable[dict[str, Any], Any],
+    workload: Workload,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Ask ``chain`` every request of ``workload`` in order: records and the CPU share."""
     meter = CpuMeter()
     records = []
     for index, request in enumerate(workload.requests):
         records.append(ask(chain, index, request))
         if progress is not None:
             ttft = records[-1].stats["ttft_s"]
-            progress(f"{system.name}: {index + 1}/{len(workload.requests)} TTFT {ttft:.2f} s")
+            progress(f"{name}: {index + 1}/{len(workload.requests)} TTFT {ttft:.2f} s")
     cpu = meter.share()
-    del chain, llm, cache
-    gc.collect()
     return {"records": records, "cpu": cpu}
 
 

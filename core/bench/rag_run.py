@@ -133,7 +133,11 @@ def run_workload(
 
 def skipped_systems() -> list[str]:
     """Systems of the issue this run cannot include, each with the reason."""
+    from chunkcache.core.vllm_server import vllm_installed, vllm_venv
+
+    if vllm_installed():
+        return []
     return [
-        "vLLM (prefix caching off / on / on with chunkcache layout): the vLLM route "
-        '(`ChunkCache(backend="vllm")`) is not built yet',
+        "vLLM (prefix caching off / on / on with chunkcache layout): vLLM is not installed "
+        f"in {vllm_venv()} (run `make vllm`)",
     ]

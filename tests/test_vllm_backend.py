@@ -1,0 +1,221 @@
+"""VllmBackend: request mapping and usage parsing on a fake transport; a real vLLM server (slow)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.prompting import generate
+from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
+from chunkcache.core.vllm_server import VllmServerConfig, vllm_installed
+from chunkcache.integrations.langchain import ChunkCacheLLM
+from chunkcache.integrations.vllm import VllmBackend
+
+CHUNK = "Alpha: json.dumps serializes an object to a JSON formatted string."
+
+
+class ChatMLTokenizer:
+    """Just enough of a tokenizer for ``render_chat``."""
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return turns + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def sse(*events: dict[str, Any]) -> bytes:
+    lines = [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+    return "".join(lines).encode()
+
+
+def completion_stream(texts: Sequence[str], prompt: int, cached: int) -> bytes:
+    choices = [{"index": 0, "text": t, "finish_reason": None} for t in texts]
+    choices[-1]["finish_reason"] = "stop"
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(texts),
+        "total_tokens": prompt + len(texts),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    return sse(*({"choices": [c], "usage": None} for c in choices), {"choices": [], "usage": usage})
+
+
+class FakeVllm:
+    """A /v1/completions endpoint that records request bodies and streams a canned answer."""
+
+    def __init__(self, texts: Sequence[str] = ("Paris", " is", " it."), cached: int = 48) -> None:
+        self.texts = texts
+        self.cached = cached
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        assert request.url.path == "/v1/completions"
+        body = completion_stream(self.texts, prompt=100, cached=self.cached)
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    def body(self, index: int = -1) -> dict[str, Any]:
+        return dict(json.loads(self.requests[index].content))
+
+
+def make_backend(handler: Any, **kwargs: Any) -> VllmBackend:
+    return VllmBackend(
+        "http://vllm.test:8000/v1",
+        "smol",
+        tokenizer=ChatMLTokenizer(),
+        transport=httpx.MockTransport(handler),
+        **kwargs,
+    )
+
+
+def request(**sampling: Any) -> GenerationRequest:
+    segments: list[Segment] = [
+        TextSegment("<|im_start|>user\n"),
+        ChunkSegment("c1", CHUNK),
+        TextSegment("Q?"),
+    ]
+    return GenerationRequest(segments, policy="cacheblend", sampling=SamplingParams(**sampling))
+
+
+def test_stream_yields_text_and_vllm_cached_tokens_as_reused() -> None:
+    server = FakeVllm(cached=48)
+    pieces = list(make_backend(server).stream(request()))
+    assert "".join(p.text for p in pieces) == "Paris is it."
+    assert [p.stats is not None for p in pieces] == [False] * (len(pieces) - 1) + [True]
+    stats = pieces[-1].stats
+    assert stats is not None
+    assert (stats.prompt_tokens, stats.reused_tokens, stats.computed_tokens) == (100, 48, 52)
+    assert stats.recomputed_tokens == 0
+    assert (stats.completion_tokens, stats.finish_reason, stats.policy) == (3, "stop", "prefix")
+    assert 0 < stats.ttft_s <= stats.total_s
+
+
+def test_request_body_is_the_joined_prompt_with_sampling_mapped() -> None:
+    server = FakeVllm()
+    backend = make_backend(server, api_key="secret")
+    generate(backend, request(max_tokens=7, temperature=0.5, top_p=0.9, stop=("\n",), seed=3))
+    body = server.body()
+    assert body["prompt"] == f"<|im_start|>user\n{CHUNK}Q?"
+    assert body["model"] == "smol"
+    assert (body["max_tokens"], body["temperature"], body["top_p"]) == (7, 0.5, 0.9)
+    assert (body["stop"], body["seed"]) == (["\n"], 3)
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["add_special_tokens"] is False
+    assert server.requests[-1].headers["authorization"] == "Bearer secret"
+
+
+def test_greedy_request_sends_no_stop_or_seed_and_no_auth() -> None:
+    server = FakeVllm()
+    generate(make_backend(server), request())
+    assert "stop" not in server.body() and "seed" not in server.body()
+    assert "authorization" not in server.requests[-1].headers
+
+
+def test_server_without_prompt_tokens_details_reports_no_reuse() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        usage = {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+        choice = {"index": 0, "text": "ok", "finish_reason": "length"}
+        return httpx.Response(
+            200, content=sse({"choices": [choice]}, {"choices": [], "usage": usage})
+        )
+
+    _, stats = generate(make_backend(handler), request())
+    assert (stats.prompt_tokens, stats.reused_tokens, stats.computed_tokens) == (10, 0, 10)
+    assert stats.extra["cached_tokens_reported"] is False
+    assert stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        pytest.param(lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused")), id="refused"),
+        pytest.param(lambda r: httpx.Response(500, text="engine dead"), id="http-500"),
+        pytest.param(lambda r: httpx.Response(200, content=b"data: {not json\n\n"), id="bad-json"),
+        pytest.param(
+            lambda r: httpx.Response(200, content=sse({"error": {"message": "oom"}})),
+            id="error-event",
+        ),
+    ],
+)
+def test_failures_raise_backend_unavailable(handler: Any) -> None:
+    with pytest.raises(BackendUnavailableError, match=r"vLLM"):
+        generate(make_backend(handler), request())
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="model"):
+        VllmBackend("http://127.0.0.1:1", "")
+    with pytest.raises(ValueError, match="timeout_s"):
+        VllmBackend("http://127.0.0.1:1", "m", timeout_s=0)
+
+
+def test_chunkcache_llm_reports_vllm_cached_tokens_as_cache_read() -> None:
+    server = FakeVllm(cached=64)
+    cache = ChunkCache(backend=make_backend(server))
+    cache.registry.register("c1", CHUNK)
+    llm = ChunkCacheLLM(chunk_cache=cache, max_tokens=5)
+    answer = llm.invoke([("system", "Be brief."), ("human", f"Context: {CHUNK}\nWho?")])
+    assert answer.content == "Paris is it."
+    assert answer.usage_metadata is not None
+    assert answer.usage_metadata["input_token_details"] == {"cache_read": 64}
+    assert answer.response_metadata["model_name"] == "smol"
+    assert server.body()["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert CHUNK in server.body()["prompt"]
+
+
+# --- a real vLLM server (slow) ----------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed: make vllm")
+
+
+@pytest.fixture(scope="module")
+def vllm_url() -> Iterator[str]:
+    from chunkcache.core.vllm_server import vllm_server
+
+    with vllm_server(VllmServerConfig(max_model_len=2048)) as server:
+        yield server.base_url
+
+
+@pytest.fixture(scope="module")
+def real_backend(vllm_url: str) -> Iterator[VllmBackend]:
+    backend = VllmBackend(vllm_url, "SmolLM2-135M-Instruct", timeout_s=120)
+    yield backend
+    backend.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_reports_cached_tokens_for_a_repeated_prompt(real_backend: VllmBackend) -> None:
+    prompt = real_backend.render_chat([{"role": "user", "content": f"{CHUNK} " * 8 + "Who?"}])
+    ask = GenerationRequest([TextSegment(prompt)], sampling=SamplingParams(max_tokens=4))
+    first_text, first = generate(real_backend, ask)
+    second_text, second = generate(real_backend, ask)
+    assert first.prompt_tokens == second.prompt_tokens > 100
+    assert first.extra["cached_tokens_reported"] is True
+    assert second.reused_tokens > first.reused_tokens
+    block = VllmServerConfig().block_size
+    assert second.reused_tokens >= second.prompt_tokens - block  # all but the last block
+    assert second_text == first_text and 1 <= second.completion_tokens <= 4
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_through_langchain_reports_cache_read(real_backend: VllmBackend) -> None:
+    cache = ChunkCache(backend=real_backend)
+    cache.registry.register("c1", CHUNK)
+    llm = ChunkCacheLLM(chunk_cache=cache, max_tokens=8)
+    messages = [("system", "Answer from the context."), ("human", f"{CHUNK}\nWhat does it do?")]
+    answers = [llm.invoke(messages) for _ in range(2)]
+    assert all(isinstance(a.content, str) and a.content.strip() for a in answers)
+    usage = answers[-1].usage_metadata
+    assert usage is not None and usage["input_tokens"] > 16
+    assert usage["input_token_details"]["cache_read"] > 0
+    assert answers[-1].response_metadata["chunkcache"]["policy"] == "prefix"
