@@ -7,7 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint unit bench bench-retriever bench-engine bench-rag clean vllm
+.PHONY: install demo test lint unit bench bench-retriever bench-engine bench-store bench-rag \
+	bench-vllm bench-serve bench-summary clean vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,16 +38,18 @@ lint: install
 	MYPYPATH=$(VENV)/mypy-path $(BIN)/mypy -p chunkcache.core -p chunkcache.kernels -p chunkcache.integrations
 	MYPYPATH=$(VENV)/mypy-path $(BIN)/mypy cookbook tests
 
-# The full suite, slow tests included (what CI runs).
-test: lint
+# The full suite, slow tests included (what CI runs); the vLLM tests need its venv.
+test: lint vllm
 	$(BIN)/pytest -m "slow or not slow"
 
 # The quick default run: fast tests only.
 unit: install
 	$(BIN)/pytest
 
-# The published reports under docs/benchmarks/ (most of an hour each on 2 cores).
-bench: bench-retriever bench-engine bench-rag
+# The published reports under docs/benchmarks/ and their summary, README.md there
+# (a few hours in all on 2 cores; run nothing else meanwhile).
+bench: bench-retriever bench-engine bench-store bench-rag bench-vllm bench-serve
+	$(MAKE) bench-summary
 
 bench-retriever: install
 	$(BIN)/python cookbook/retriever_benchmark.py
@@ -54,8 +57,20 @@ bench-retriever: install
 bench-engine: install
 	$(BIN)/chunkcache bench engine
 
-bench-rag: install
+bench-store: install
+	$(BIN)/chunkcache bench store
+
+bench-rag: install vllm
 	$(BIN)/chunkcache bench rag
 
+bench-vllm: install vllm
+	$(BIN)/chunkcache bench vllm
+
+bench-serve: install
+	$(BIN)/chunkcache bench serve
+
+bench-summary: install
+	$(BIN)/chunkcache bench summary
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
