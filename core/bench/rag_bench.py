@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,9 +53,9 @@ class System:
 # vLLM's policy is its prefix caching: "full" runs the server with it off, "prefix" on.
 VLLM_PREFIX = PolicyRun("prefix", "prefix")
 VLLM_SYSTEMS = (
-    System("vllm prefix-caching off / plain", "vllm", FULL, "plain"),
-    System("vllm prefix-caching on / plain", "vllm", VLLM_PREFIX, "plain"),
-    System("vllm prefix-caching on / chunkcache", "vllm", VLLM_PREFIX, "chunkcache"),
+    System("vLLM prefix caching off / plain", "vllm", FULL, "plain"),
+    System("vLLM prefix caching on / plain", "vllm", VLLM_PREFIX, "plain"),
+    System("vLLM prefix caching on / chunkcache", "vllm", VLLM_PREFIX, "chunkcache"),
 )
 
 
@@ -100,7 +101,9 @@ def system_backend(system: System, lm: LoadedModel, store_mib: int) -> Iterator[
         from chunkcache.core.vllm_server import VllmServerConfig, vllm_server
         from chunkcache.integrations.vllm import VllmBackend
 
-        config = VllmServerConfig(prefix_caching=system.run.policy == "prefix")
+        config = VllmServerConfig(
+            prefix_caching=system.run.policy == "prefix", threads=os.cpu_count()
+        )
         with vllm_server(config) as server:
             backend = VllmBackend(server.base_url, server.model, tokenizer=lm.tokenizer)
             try:

