@@ -129,6 +129,7 @@ def memory(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
     growth = late - early
     return {
         "samples": len(samples),
+        "timeline_mib": [[round(t), round(rss / MiB)] for t, rss in samples[::5]],
         "early_mib": early / MiB,
         "late_mib": late / MiB,
         "max_mib": max(after) / MiB,
