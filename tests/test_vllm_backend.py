@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.model_files import ModelLoadError
 from chunkcache.core.prompting import generate
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
 from chunkcache.core.vllm_server import VllmServerConfig, vllm_installed
@@ -155,6 +157,19 @@ def test_bad_arguments_are_refused() -> None:
         VllmBackend("http://127.0.0.1:1", "")
     with pytest.raises(ValueError, match="timeout_s"):
         VllmBackend("http://127.0.0.1:1", "m", timeout_s=0)
+
+
+def test_chat_template_of_an_unknown_model_asks_for_a_tokenizer(tmp_path: Path) -> None:
+    backend = VllmBackend("http://127.0.0.1:1", str(tmp_path / "no-such-model"))
+    with pytest.raises(ModelLoadError, match="pass tokenizer="):
+        backend.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_render_chat_uses_the_given_tokenizer() -> None:
+    backend = make_backend(FakeVllm())
+    assert backend.render_chat([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chunkcache_llm_reports_vllm_cached_tokens_as_cache_read() -> None:
