@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from chunkcache.core.chunk_ids import chunk_id
 from chunkcache.core.engine import PromptTooLongError
-from chunkcache.core.errors import QueueFullError
+from chunkcache.core.errors import BackendUnavailableError, QueueFullError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.core.serve import ServeSettings, create_app
@@ -222,12 +222,18 @@ class RaisingBackend(FakeBackend):
 
 
 def test_backend_refusals_map_to_status_codes() -> None:
+    completion = {"model": MODEL, "prompt": "x"}
     with TestClient(
         create_app(RaisingBackend(QueueFullError("full", retry_after_s=2.2)))
     ) as client:
         response = client.post("/v1/chat/completions", json=chat(stream=True))
         assert error_of(response) == (429, "rate_limit_error")
         assert response.headers["retry-after"] == "3"
+    with TestClient(create_app(RaisingBackend(BackendUnavailableError("gone")))) as client:
+        assert error_of(client.post("/v1/completions", json=completion)) == (
+            503,
+            "service_unavailable",
+        )
     with TestClient(create_app(RaisingBackend(PromptTooLongError("4000 tokens > 2048")))) as client:
         assert error_of(client.post("/v1/chat/completions", json=chat())) == (
             400,

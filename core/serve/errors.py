@@ -10,6 +10,7 @@ another model than the one served          404     invalid_request_error (model_
 body larger than ``max_body_bytes``        413     invalid_request_error (body_too_large)
 queue full                                 429     rate_limit_error (queue_full), Retry-After
 shutting down                              503     service_unavailable (shutting_down)
+the engine stopped or failed               503     service_unavailable (backend_unavailable)
 anything else (logged)                     500     server_error
 =========================================  ======  ====================================
 """
@@ -23,7 +24,12 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from chunkcache.core.errors import ChunkCacheError, QueueFullError, ShuttingDownError
+from chunkcache.core.errors import (
+    BackendUnavailableError,
+    ChunkCacheError,
+    QueueFullError,
+    ShuttingDownError,
+)
 from chunkcache.core.serve.schemas import error_body
 
 log = logging.getLogger("chunkcache.serve")
@@ -61,6 +67,9 @@ def serve_error(error: BaseException) -> ServeError:
         return ServeError(429, str(error), "rate_limit_error", "queue_full", {"Retry-After": retry})
     if isinstance(error, ShuttingDownError):
         return ServeError(503, str(error), "service_unavailable", "shutting_down")
+    if isinstance(error, BackendUnavailableError):
+        log.error("chunkcache serve: the engine failed", exc_info=error)
+        return ServeError(503, str(error), "service_unavailable", "backend_unavailable")
     # PromptTooLongError, InvalidChunkError, bad policy or sampling values: the caller's input.
     if isinstance(error, ChunkCacheError | ValueError | TypeError):
         return ServeError(400, str(error))
