@@ -8,7 +8,7 @@ vLLM patch, which lets a row see keys after it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,20 @@ class RowBlock:
     end: int
     num_keys: int
     mask: Tensor  # [end - first, num_keys] bool, a view into the rows' causal mask
+    _biases: dict[tuple[torch.dtype, int], Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def bias(self, dtype: torch.dtype, groups: int) -> Tensor:
+        """The mask as an additive bias (0 or -inf) in ``dtype``, its rows repeated for the
+        ``groups`` query heads sharing a KV head; built once per dtype, then reused by
+        every layer (SDPA would otherwise convert a bool mask on every call)."""
+        # -> [groups * (end - first), num_keys]
+        key = (dtype, groups)
+        if key not in self._biases:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._biases[key] = bias.masked_fill_(~self.mask, float("-inf")).repeat(groups, 1)
+        return self._biases[key]
 
 
 def causal_blocks(q_pos: Tensor, mask: Tensor) -> tuple[RowBlock, ...]:
@@ -78,13 +92,62 @@ def causal_blocks(q_pos: Tensor, mask: Tensor) -> tuple[RowBlock, ...]:
 def blocked_attention(
     q: Tensor, k: Tensor, v: Tensor, blocks: tuple[RowBlock, ...], scale: float
 ) -> Tensor:
-    """:func:`attention` of scattered rows, block by block (see :func:`causal_blocks`)."""
+    """:func:`attention` of scattered rows, block by block (see :func:`causal_blocks`).
+
+    The ``G = H // H_kv`` query heads sharing a KV head are folded into one head of
+    ``G x`` the rows, so each key block is read once per KV head rather than once per
+    query head: with few rows SDPA's CPU kernel is bound by reading keys (measured on
+    SmolLM2 shapes, 170 rows over 1,170 slots, bf16: ~15% less time than unfolded).
+    """
     # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
-    parts = [
-        attention(q[:, b.first : b.end], k[:, : b.num_keys], v[:, : b.num_keys], b.mask, scale)
-        for b in blocks
-    ]  # parts: [n_b, H * D] each
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    (h, n, d), h_kv = q.shape, k.shape[0]
+    groups = h // h_kv
+    q_folded = q.view(h_kv, groups, n, d)  # heads h_kv * G + g share KV head h_kv
+    parts = []
+    for b in blocks:
+        rows = b.end - b.first
+        q_b = q_folded[:, :, b.first : b.end].reshape(1, h_kv, groups * rows, d)
+        out = F.scaled_dot_product_attention(
+            q_b,
+            k[None, :, : b.num_keys],
+            v[None, :, : b.num_keys],
+            attn_mask=b.bias(q.dtype, groups),
+            scale=scale,
+        )  # out: [1, H_kv, G * n_b, D]
+        parts.append(out.view(h_kv, groups, rows, d))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # out: [H_kv, G, N, D]
+    return out.reshape(h, n, d).transpose(0, 1).flatten(1)  # -> [N, H * D]
+
+
+def tail_attention(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """:func:`attention` of consecutive rows at slots ``start..start + N - 1``, all keys
+    ``0..start + N - 1``: a prefill on top of ``start`` past tokens.
+
+    Two SDPA calls, the past keys without a mask and the rows' own keys with SDPA's
+    causal fast path (which skips the keys above the diagonal), merged by their
+    log-sum-exp; one masked call over every key would do the masked half for nothing.
+    The merge needs the log-sum-exp, which only the CPU kernel returns; other devices
+    take the masked call.
+    """
+    # q: [H, N, D]; k, v: [H_kv, >= start + N, D] -> [N, H * D]
+    n = q.shape[1]
+    own_k, own_v = k[None, :, start : start + n], v[None, :, start : start + n]
+    if start == 0:
+        return attention(q, own_k[0], own_v[0], None, scale)
+    if q.device.type != "cpu":
+        mask = causal_mask(
+            torch.arange(start, start + n, device=q.device),
+            torch.arange(start + n, device=q.device),
+        )
+        return attention(q, k[:, : start + n], v[:, : start + n], mask, scale)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    past, past_lse = flash(q[None], k[None, :, :start], v[None, :, :start], scale=scale)
+    own, own_lse = flash(q[None], own_k, own_v, is_causal=True, scale=scale)
+    # past, own: [1, H, N, D]; *_lse: [1, H, N] float32 (log of each part's softmax sum)
+    lse = torch.logaddexp(past_lse, own_lse)
+    out = past.float().mul_((past_lse - lse).exp_().unsqueeze(-1))
+    out.addcmul_(own.float(), (own_lse - lse).exp_().unsqueeze(-1))
+    return out[0].to(q.dtype).transpose(0, 1).flatten(1)  # -> [N, H * D]
 
 
 def attention_mass(

@@ -20,6 +20,7 @@ from chunkcache.kernels.attention import (
     blocked_attention,
     causal_blocks,
     causal_mask,
+    tail_attention,
 )
 from chunkcache.kernels.rope import Rope, apply_rope
 
@@ -77,6 +78,9 @@ class Rows:
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
         if self.mask is None:
             return attention(q, k, v, None, scale)
+        first, n = int(self.index[0]), self.index.numel()
+        if int(self.index[-1]) == first + n - 1:  # consecutive rows: a prefill on a past
+            return tail_attention(q, k, v, first, scale)
         return blocked_attention(q, k, v, self.blocks, scale)
 
 

@@ -16,6 +16,7 @@ from chunkcache.kernels.attention import (
     blocked_attention,
     causal_blocks,
     causal_mask,
+    tail_attention,
 )
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
@@ -130,6 +131,20 @@ def test_blocked_attention_equals_one_masked_call(num_rows: int) -> None:
     assert all(b.num_keys == rows[b.end - 1] + 1 for b in blocks)
     expected = attention(q, k, v, mask, D**-0.5)  # [N, H * D]
     torch.testing.assert_close(blocked_attention(q, k, v, blocks, D**-0.5), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("start", "num_rows"), [(0, 9), (1, 1), (7, 20), (40, 3)])
+def test_tail_attention_equals_one_masked_call(
+    start: int, num_rows: int, dtype: torch.dtype
+) -> None:
+    s = start + num_rows + 5  # keys after the last row exist and must stay unseen
+    q = _randn(H, num_rows, D, seed=8).to(dtype)
+    k, v = _randn(H_KV, s, D, seed=9).to(dtype), _randn(H_KV, s, D, seed=10).to(dtype)
+    rows = torch.arange(start, start + num_rows)
+    expected = attention(q, k, v, causal_mask(rows, torch.arange(s)), D**-0.5)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(tail_attention(q, k, v, start, D**-0.5), expected, **tol)
 
 
 def test_rows_build_and_subset() -> None:
