@@ -12,8 +12,10 @@ from chunkcache.core.bench.findings import (
     FINDERS,
     engine_findings,
     rag_findings,
+    serve_findings,
     store_findings,
     verdict_of,
+    vllm_findings,
 )
 from chunkcache.core.bench.summary import summary_markdown, write_summary
 
@@ -84,4 +86,32 @@ def test_summary_stamps_reports_and_names_missing_ones(tmp_path: Path) -> None:
     assert text == summary_markdown(tmp_path)
     assert "| [store](store.md) |" in text
     assert "## Where chunkcache wins" in text
-    assert "Not run yet: `retriever`, `engine`, `rag`." in text
+    assert "Not run yet: `retriever`, `engine`, `rag`, `vllm`, `serve`." in text
+
+
+@pytest.mark.parametrize(("cached", "verdict"), [(1.8, "win"), (1.2, "loss")])
+def test_vllm_cached_share_is_judged_against_its_target(cached: float, verdict: str) -> None:
+    ratios = {
+        "cached_share": cached,
+        "target_cached_share": 1.5,
+        "closed_loop_throughput": 1.0,
+        "ttft_p50": 1.0,
+    }
+    found = vllm_findings({"workloads": {"corpus": {"ratios": ratios}}})
+    assert found[0].verdict == verdict and f"{cached:.2f}x" in found[0].text
+    assert found[1].verdict == "even"
+
+
+def test_a_load_test_that_lost_a_request_is_a_loss() -> None:
+    counts = {"requests": 10, "completed": 9, "rejected_429": 0, "errors": 0, "lost": 1}
+    report = {
+        "ok": False,
+        "counts": {**counts, "answered_twice": 0},
+        "config": {"clients": 4, "duration_s": 10.0},
+        "ttft_s": {"p50": 0.5, "p99": 1.0},
+        "throughput": {"requests_per_s": 1.0},
+        "memory": {"flat": True, "growth_mib": 3.0, "early_mib": 900.0},
+    }
+    found = serve_findings(report)
+    assert [f.verdict for f in found] == ["loss", "win"]
+    assert "1 lost" in found[0].text and found[0].next_step

@@ -253,6 +253,67 @@ def _rag_accuracy(workload: str, figures: dict[str, Any]) -> list[Finding]:
     ]
 
 
+def vllm_findings(report: Report) -> list[Finding]:
+    """vllm.json: vLLM's prefix-cache hits with chunkcache's layout vs plain LangChain."""
+    found: list[Finding] = []
+    for workload, result in report.get("workloads", {}).items():
+        ratios = result["ratios"]
+        target, cached = ratios["target_cached_share"], ratios["cached_share"]
+        met = cached >= target
+        found.append(
+            Finding(
+                "vllm",
+                "win" if met else "loss",
+                f"{'Met' if met else 'Missed'}: {workload}: with chunkcache's ordering and "
+                f"layout vLLM reports {cached:.2f}x the plain app's share of cached prompt "
+                f"tokens (target at least {target}x).",
+                None if met else "Line more of each prompt up as a prefix of the last one.",
+            )
+        )
+        throughput = ratios["closed_loop_throughput"]
+        found.append(
+            Finding(
+                "vllm",
+                verdict_of(throughput, lower_is_better=False),
+                f"{workload}: on vLLM the chunkcache app serves {throughput:.2f}x the plain "
+                f"app's requests per second, at {ratios['ttft_p50']:.2f}x its median TTFT.",
+            )
+        )
+    return found
+
+
+def serve_findings(report: Report) -> list[Finding]:
+    """serve.json: the bounded load test of ``chunkcache serve`` over loopback."""
+    counts, config = report["counts"], report["config"]
+    ttft, throughput = report["ttft_s"], report["throughput"]
+    found = [
+        Finding(
+            "serve",
+            "win" if report["ok"] else "loss",
+            f"{config['clients']} clients for {config['duration_s']:.0f} s: "
+            f"{counts['completed']} of {counts['requests']} requests completed, "
+            f"{counts['rejected_429']} answered 429, {counts['errors']} errors, "
+            f"{counts['lost']} lost, {counts['answered_twice']} answered twice; "
+            f"{throughput['requests_per_s']:.2f} requests/s, TTFT p50 "
+            f"{ttft.get('p50', 0):.2f} s and p99 {ttft.get('p99', 0):.2f} s.",
+            None if report["ok"] else "Find what failed or lost requests under load.",
+        )
+    ]
+    memory = report.get("memory", {})
+    if "flat" in memory:
+        found.append(
+            Finding(
+                "serve",
+                "win" if memory["flat"] else "loss",
+                f"Resident memory after warm-up grew by {memory['growth_mib']:.0f} MiB "
+                f"(from {memory['early_mib']:.0f} MiB)"
+                + ("; flat." if memory["flat"] else ": not flat."),
+                None if memory["flat"] else "Find what the server keeps per request.",
+            )
+        )
+    return found
+
+
 def _number(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
@@ -263,4 +324,6 @@ FINDERS: dict[str, Callable[[Report], list[Finding]]] = {
     "engine": engine_findings,
     "store": store_findings,
     "rag": rag_findings,
+    "vllm": vllm_findings,
+    "serve": serve_findings,
 }

@@ -19,6 +19,8 @@ TITLES = {
     "engine": "Engine: recompute policies against full prefill",
     "store": "Tiered store: TTFT by tier, eviction policies",
     "rag": "Whole RAG requests: every system side by side",
+    "vllm": "vLLM's prefix cache: chunkcache's layout vs plain LangChain",
+    "serve": "chunkcache serve under load",
 }
 MAKE_TARGETS = {"retriever": "make bench-retriever", "engine": "make bench-engine"}
 VERDICT_HEADINGS = {"win": "Where chunkcache wins", "loss": "Where it loses", "even": "Even"}
