@@ -23,7 +23,8 @@ def markdown(report: dict[str, Any]) -> str:
         "same requests through LangChain one at a time, the prefix cache emptied before each "
         "app. `plain`: chunks in the retriever's order, this turn's context in the system "
         "message, history after it. `chunkcache`: ChunkCacheRetriever tree order and dedupe, "
-        "each turn's new chunks kept in its user message (CRAFT §4.2-4.3), sent by "
+        "each turn's new chunks kept in its user message (CRAFT §4.2-4.3: later turns' "
+        "prompts are longer, as earlier turns' chunks stay in the history), sent by "
         "`ChunkCacheLLM` with the vLLM backend. *cached*: prompt tokens vLLM reports as "
         "`prompt_tokens_details.cached_tokens`. Throughput: requests per second of the "
         "closed-loop replay; queue: a FIFO simulation over the measured times at "
@@ -54,6 +55,9 @@ def _section(workload: str, result: dict[str, Any]) -> list[str]:
             f"{row['queue']['latency_s']['p99']:.1f} | {label} {quality:.3f} | "
             f"{row['cpu']['other_cores']:.2f} |"
         )
+    plain, ours = result["figures"].values()
+    prompt_ratio = ours["prompt_tokens"] / plain["prompt_tokens"]
+    computed_ratio = _computed(ours) / max(_computed(plain), 1)
     target = ratios["target_cached_share"]
     verdict = "meets" if ratios["cached_share"] >= target else "misses"
     lines += [
@@ -61,9 +65,14 @@ def _section(workload: str, result: dict[str, Any]) -> list[str]:
         f"chunkcache / plain: cached share {ratios['cached_share']:.2f}x ({verdict} the "
         f"{target}x target), cached tokens {ratios['cached_tokens']:.2f}x, "
         f"throughput {ratios['closed_loop_throughput']:.2f}x, TTFT p50 "
-        f"{ratios['ttft_p50']:.2f}x.",
+        f"{ratios['ttft_p50']:.2f}x; prompt tokens {prompt_ratio:.2f}x, computed (not "
+        f"cached) tokens {computed_ratio:.2f}x.",
     ]
     return lines
+
+
+def _computed(row: dict[str, Any]) -> int:
+    return int(row["prompt_tokens"]) - int(row["cached_tokens"])
 
 
 def _quality(row: dict[str, Any]) -> tuple[str, float]:
