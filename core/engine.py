@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from chunkcache.core.chunk_placing import placing
 from chunkcache.core.craft import CraftConfig, CraftMeta
 from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
 from chunkcache.core.craft_probe import Span
@@ -62,6 +63,8 @@ from chunkcache.core.models import LoadedModel
 from chunkcache.core.recompute import recompute
 from chunkcache.core.sampling import sample_token
 from chunkcache.core.store.hooks import record_prefill, track_store
+from chunkcache.core.store.loading import controlled_ratio
+from chunkcache.core.store.metrics import StoreUsage
 from chunkcache.kernels.kv import SeqKV
 
 
@@ -93,7 +96,11 @@ class ChunkEngine:
     """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`.
 
     ``craft`` holds the ``cachecraft`` policy's settings (alpha, metadata layers,
-    attention sinks, focus window); see the module docstring.
+    attention sinks, focus window); see the module docstring.  ``layer_loading`` places
+    reused chunk KV layer by layer on a background thread ahead of compute: ``None``
+    (default) when this request read entries from a slower tier, ``True`` always,
+    ``False`` never; reads from slower tiers also raise the recompute ratio to what
+    they hide (:mod:`chunkcache.core.store.loading`).
     """
 
     def __init__(
@@ -102,8 +109,10 @@ class ChunkEngine:
         store: KVStore | None = None,
         max_conversations: int = 32,
         craft: CraftConfig | None = None,
+        layer_loading: bool | None = None,
     ) -> None:
         self.lm = lm
+        self.layer_loading = layer_loading
         self.store: KVStore = store if store is not None else MemoryKVStore()
         self.max_conversations = max_conversations
         self.craft = craft if craft is not None else CraftConfig()
@@ -125,7 +134,9 @@ class ChunkEngine:
         """
         started = time.perf_counter()
         with track_store(self.store) as usage:
-            prefilled, stored = self._prefill(segments, policy, ratio, conversation_id, reserve)
+            prefilled, stored = self._prefill(
+                segments, policy, ratio, conversation_id, reserve, usage
+            )
         stats = prefilled.stats
         stats.extra["store"] = usage.as_dict()
         new_tokens = stats.computed_tokens + stats.recomputed_tokens
@@ -142,6 +153,7 @@ class ChunkEngine:
         ratio: float,
         conversation_id: str | None,
         reserve: int,
+        usage: StoreUsage,
     ) -> tuple[Prefilled, list[tuple[str, str]]]:
         """:meth:`prefill`, also returning the (segment id, context) of the variants stored."""
         started = time.perf_counter()
@@ -164,26 +176,43 @@ class ChunkEngine:
         if policy != "full":
             exact, exact_until = self._take_prefix(segments, ids, conversation_id, kv)
         exact = min(exact, len(ids) - 1)  # the last token always runs, for its logits
-        placed = self._place(segments, spans, exact, kv, policy) if _reuses(policy) else []
+        placed = self._place(segments, spans, exact, policy) if _reuses(policy) else []
         reused = [slot for p in placed for slot in p.slots]
         slots = torch.arange(len(ids), device=self.lm.device)
         reused_slots = torch.tensor(reused, dtype=torch.long, device=self.lm.device)
         computed = slots[exact:][~torch.isin(slots[exact:], reused_slots)]
         token_ids = torch.tensor(ids, device=self.lm.device)
         metas: dict[int, CraftMeta] = {}
-        if policy == "cachecraft":
-            chunks = [i for i, segment in enumerate(segments) if segment.is_chunk]
-            hits = {p.span.start for p in placed}
-            fresh = [i for i in chunks if spans[i].start >= exact and spans[i].start not in hits]
-            outcome = craft_recompute(
-                self.lm, self.craft, spans, chunks, fresh, placed, computed, token_ids, kv, ratio
-            )
-            result, metas = outcome.result, outcome.metas
-            stats.extra["craft_cfo"] = [round(p.cfo, 4) for p in placed]
-            stats.extra["craft_focus_layer"] = outcome.focus_layer
-        else:
-            ratio = {"reuse": 0.0, "cacheblend": ratio}.get(policy, 1.0)
-            result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
+        num_new = computed.numel()
+        with placing(self.lm, self.store, usage, placed, kv, self.layer_loading, num_new) as load:
+            if load is not None and policy != "reuse":  # loading controller (CacheBlend §5.1)
+                ratio = controlled_ratio(ratio, load.layer_load_s, len(reused), load.token_layer_s)
+            if load is not None:
+                stats.extra["layer_loading"] = load.as_dict(ratio if policy != "reuse" else 0.0)
+            if policy == "cachecraft":
+                chunks = [i for i, segment in enumerate(segments) if segment.is_chunk]
+                hits = {p.span.start for p in placed}
+                fresh = [
+                    i for i in chunks if spans[i].start >= exact and spans[i].start not in hits
+                ]
+                outcome = craft_recompute(
+                    self.lm,
+                    self.craft,
+                    spans,
+                    chunks,
+                    fresh,
+                    placed,
+                    computed,
+                    token_ids,
+                    kv,
+                    ratio,
+                )
+                result, metas = outcome.result, outcome.metas
+                stats.extra["craft_cfo"] = [round(p.cfo, 4) for p in placed]
+                stats.extra["craft_focus_layer"] = outcome.focus_layer
+            else:
+                ratio = {"reuse": 0.0, "cacheblend": ratio}.get(policy, 1.0)
+                result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
         if result.num_recomputed < len(reused):  # some reused KV kept as is: approximate
             exact_until = min(exact_until, min(reused))
         stats.reused_tokens = exact + len(reused) - result.num_recomputed
@@ -258,10 +287,10 @@ class ChunkEngine:
         segments: Sequence[TokenSegment],
         spans: list[Span],
         exact: int,
-        kv: SeqKV,
         policy: Policy,
     ) -> list[PlacedChunk]:
-        """Move stored variants of chunks after the exact prefix into ``kv``."""
+        """Choose a stored variant for each chunk after the exact prefix (placed by
+        :func:`~chunkcache.core.chunk_placing.placing`)."""
         placed: list[PlacedChunk] = []
         last_slot = spans[-1].end - 1
         for i, (segment, span) in enumerate(zip(segments, spans, strict=True)):
@@ -274,11 +303,6 @@ class ChunkEngine:
             variant, cfo = variants[0], 0.0  # the most recently used
             if policy == "cachecraft":
                 variant, cfo = choose_variant(variants, spans[:i], self.craft)
-            # k: [L, H_kv, n, D] rotated at variant.start..; moved to span.start..
-            kv.k[:, :, span.start : span.end] = self.lm.rope.shift(
-                variant.k, span.start - variant.start
-            )
-            kv.v[:, :, span.start : span.end] = variant.v
             reused = [slot for slot in range(span.start, span.end) if slot != last_slot]
             placed.append(PlacedChunk(span, variant, cfo, reused))
         return placed

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ class SeqKV:
     k: Tensor  # [L, H_kv, C, D], rotated keys
     v: Tensor  # [L, H_kv, C, D]
     length: int  # slots in use, <= C
+    # called with i before layer i's views are handed out: layer-wise loading waits there
+    # until layer i's reused KV is in place (see ChunkEngine); None when all of it is
+    before_layer: Callable[[int], None] | None = field(default=None, compare=False)
 
     @classmethod
     def empty(
@@ -53,6 +57,8 @@ class SeqKV:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Views of layer ``i``'s used slots; writing to them writes the buffer."""
+        if self.before_layer is not None:
+            self.before_layer(i)
         return self.k[i, :, : self.length], self.v[i, :, : self.length]  # [H_kv, S, D] each
 
     def keys(self) -> Tensor:

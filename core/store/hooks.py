@@ -66,3 +66,12 @@ def preload_depth(num_layers: int, prefill_s: float, load_s: float) -> int:
         return 1
     depth = (num_layers - 1) * (1 - prefill_s / load_s) + 1
     return min(num_layers, max(1, math.ceil(depth)))
+
+
+def load_profile(store: KVStore, usage: StoreUsage, cached: int, new: int) -> tuple[float, float]:
+    """This request's seconds spent reading lower tiers so far, and the store's estimate
+    of one prefill token's seconds over all layers (0 without a profile or tiers)."""
+    if not isinstance(store, TieredKVStore):
+        return 0.0, 0.0
+    load_s = sum(counts.get("load_seconds", 0.0) for counts in usage.tiers.values())
+    return load_s, store.cost_model.per_token(cached, new)

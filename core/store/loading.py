@@ -13,7 +13,8 @@ per token-layer (measured from prefills: prefill seconds / (tokens x layers)).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 MIN_RECOMPUTE_RATIO = 0.15  # CacheBlend §5.1 / Figure 16
 
@@ -54,3 +55,75 @@ def cheapest_hiding_tier(
         if speed is not None and layer_load_seconds(layer_bytes, speed) <= recompute_s:
             chosen = name
     return chosen
+
+
+def controlled_ratio(
+    ratio: float, layer_load_s: float, num_reused: int, token_layer_s: float
+) -> float:
+    """The loading controller for one request (§5.1): ``ratio``, raised to what loading one
+    layer (``layer_load_s``) hides anyway, never lowered; 0 (no recompute asked) stays 0."""
+    if ratio <= 0 or layer_load_s <= 0:
+        return ratio
+    return max(ratio, hidden_recompute_ratio(layer_load_s, num_reused, token_layer_s, ratio))
+
+
+class LayerLoader:
+    """Runs ``load(layer)`` for every layer on a background thread, at most ``depth`` layers
+    ahead of compute (Cache-Craft Algorithm 2, §3.5): layers ``0..depth-1`` load before the
+    first layer runs, and layer ``l + depth`` only once layer ``l`` may run.
+
+    Use as a context manager; call :meth:`wait` before running each layer.  An error in
+    ``load`` is raised from :meth:`wait`.  ``max_lead`` is the most layers ever loaded
+    beyond the one computing (never more than ``depth``).
+    """
+
+    def __init__(self, load: Callable[[int], None], num_layers: int, depth: int) -> None:
+        if not 1 <= depth <= num_layers:
+            raise ValueError(f"depth must be in [1, {num_layers}], got {depth}")
+        self.load, self.num_layers, self.depth = load, num_layers, depth
+        self.loaded = 0  # layers 0..loaded-1 are in place
+        self.computing = 0  # the layer compute waits for or runs
+        self.max_lead = 0
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="chunkcache-layer-loader")
+
+    def __enter__(self) -> LayerLoader:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def wait(self, layer: int) -> None:
+        """Block until ``layer`` is loaded; from now on the loader may run ``depth`` ahead."""
+        with self._cond:
+            self.computing = max(self.computing, layer)
+            self._cond.notify_all()
+            while self.loaded <= layer and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def _run(self) -> None:
+        for layer in range(self.num_layers):
+            with self._cond:
+                while layer >= self.computing + self.depth and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                self.max_lead = max(self.max_lead, layer + 1 - self.computing)
+            try:
+                self.load(layer)
+            except BaseException as error:  # handed to the computing thread
+                with self._cond:
+                    self._error = error
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.loaded = layer + 1
+                self._cond.notify_all()

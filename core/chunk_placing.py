@@ -1,0 +1,94 @@
+"""Put reused chunk KV into a request's merged KV, layer by layer, ahead of compute.
+
+Every placed chunk's keys move to their new positions (a RoPE rotation by the position
+shift, CacheBlend §3) and its values are copied, one layer at a time.  Without layer-wise
+loading every layer is placed before compute starts.  With it, a background
+:class:`~chunkcache.core.store.loading.LayerLoader` places layer ``l + 1 ...`` while layer
+``l`` computes, at most the preload depth of Cache-Craft Algorithm 2 (Eq. 16) ahead, and
+the merged KV makes each layer wait for its own (:attr:`SeqKV.before_layer`).  Both give
+the same bits: each layer is placed by the same operations either way.
+
+T_load is this request's measured seconds reading lower tiers (disk, Redis) and T_prefill
+the store's profile estimate of the prefill (RAGCache's cost model), so the depth follows
+what the request actually loads.  The engine hands both to CacheBlend's loading controller
+(§5.1), which raises the recompute ratio to what one layer's load hides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from chunkcache.core.craft_plan import PlacedChunk
+from chunkcache.core.kv_store import KVStore
+from chunkcache.core.models import LoadedModel
+from chunkcache.core.store.hooks import load_profile, preload_depth
+from chunkcache.core.store.loading import LayerLoader
+from chunkcache.core.store.metrics import StoreUsage
+from chunkcache.kernels.kv import SeqKV
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How one request's chunk KV was placed, and the controller's inputs."""
+
+    depth: int  # layers placed ahead of compute (Cache-Craft Eq. 16)
+    load_s: float  # seconds this request spent reading lower tiers
+    prefill_s: float  # the store's estimate of the prefill's seconds
+    layer_load_s: float  # load_s per layer
+    token_layer_s: float  # estimated seconds of one token through one layer
+
+    def as_dict(self, ratio: float) -> dict[str, Any]:
+        """The report for ``stats.extra``, with the ratio the controller chose."""
+        return {
+            "depth": self.depth,
+            "load_s": round(self.load_s, 6),
+            "prefill_s": round(self.prefill_s, 6),
+            "ratio": ratio,
+        }
+
+
+def place_layer(lm: LoadedModel, placed: Sequence[PlacedChunk], kv: SeqKV, layer: int) -> None:
+    """Put layer ``layer`` of every placed chunk's stored KV at the chunk's new slots."""
+    for p in placed:
+        variant, span = p.variant, p.span
+        # k: [H_kv, n, D] rotated at variant.start..; moved to span.start..
+        k = kv.k[layer, :, span.start : span.end]
+        k.copy_(lm.rope.shift(variant.k[layer], span.start - variant.start))
+        kv.v[layer, :, span.start : span.end].copy_(variant.v[layer])
+
+
+@contextmanager
+def placing(
+    lm: LoadedModel,
+    store: KVStore,
+    usage: StoreUsage,
+    placed: Sequence[PlacedChunk],
+    kv: SeqKV,
+    layer_loading: bool | None,
+    num_new: int,
+) -> Iterator[LoadReport | None]:
+    """Place ``placed`` into ``kv`` for the compute inside the ``with``.
+
+    ``layer_loading`` None pipelines when the request read entries from a lower tier,
+    True always, False never.  Yields the :class:`LoadReport` when pipelined, else None.
+    """
+    num_layers = lm.spec.num_layers
+    reused = sum(len(p.slots) for p in placed)
+    load_s, token_s = load_profile(store, usage, reused, num_new)
+    pipelined = bool(placed) and (load_s > 0 if layer_loading is None else layer_loading)
+    if not pipelined:
+        for layer in range(num_layers):
+            place_layer(lm, placed, kv, layer)
+        yield None
+        return
+    prefill_s = token_s * num_new
+    depth = preload_depth(num_layers, prefill_s, load_s)
+    with LayerLoader(lambda layer: place_layer(lm, placed, kv, layer), num_layers, depth) as loader:
+        kv.before_layer = loader.wait
+        try:
+            yield LoadReport(depth, load_s, prefill_s, load_s / num_layers, token_s / num_layers)
+        finally:
+            kv.before_layer = None
