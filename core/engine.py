@@ -10,6 +10,8 @@ One request runs ``plan -> place -> compute -> store``:
    stored variant has its keys moved to their new positions (RoPE shift) and its
    values copied (CacheBlend §3).  ``cachecraft`` places the variant of lowest CFO
    and counts f_r += 1/CFO on it (Cache-Craft §3.3); the others the most recent.
+   The KV goes in layer by layer (:mod:`chunkcache.core.chunk_placing`), on a background
+   thread ahead of compute when the request read entries from a slower tier.
 3. Compute: tokens with no KV run all layers; reused tokens are selectively
    recomputed by the policy (:mod:`chunkcache.core.recompute`).
 4. Store: segments computed fresh become variants of their context.
