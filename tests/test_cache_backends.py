@@ -90,3 +90,14 @@ def test_replacing_a_variant_is_no_eviction() -> None:
     store.put(FP, make_variant("a", "ctx-1", seed=2))
     assert cache.prefix_tree.longest_prefix_length(["a"]) == 1
     assert store.num_evictions == 0
+
+
+def test_named_remote_backends_are_built_with_their_options() -> None:
+    from chunkcache.core.http_backend import HttpBackend
+    from chunkcache.integrations.vllm import VllmBackend
+
+    http = ChunkCache(backend="http", base_url="http://127.0.0.1:1/v1", api_key="k").backend
+    assert isinstance(http, HttpBackend) and http.base_url == "http://127.0.0.1:1"
+    vllm = ChunkCache(backend="vllm", base_url="http://127.0.0.1:2", model="served-name").backend
+    assert isinstance(vllm, VllmBackend)
+    assert (vllm.base_url, vllm.model_name) == ("http://127.0.0.1:2", "served-name")
