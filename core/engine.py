@@ -19,18 +19,24 @@ One request runs ``plan -> place -> compute -> store``:
 ``cachecraft`` (Cache-Craft §3.1-3.3, :mod:`chunkcache.core.craft`) recomputes, on
 every layer, the top ``ceil(CFO * |C|)`` tokens of each placed chunk by their stored
 attention to the chunk's old context, CFO = alpha * CCI * (1 - beta') with
-``CraftConfig.alpha`` (default 1.0).  ``ratio`` caps the share of the reused tokens
-recomputed: over the cap, every chunk's count shrinks in proportion; 1.0 is the
-paper's uncapped rule.  Chunks it computes fresh get the metadata CFO needs (CCI,
-per-token scores, context), read on every 4th layer; variants stored by other
-policies have none and score CFO = min(1, alpha), their first tokens recomputed.
-Early termination on the question's focused chunks (Algorithm 1) is behind
-``CraftConfig.focus_window``, off by default.
+``CraftConfig.alpha`` (default 1.0).  ``ratio`` caps the recompute at the
+token-layers ``cacheblend`` spends at that ratio (its first layers run every reused
+row, so 0.15 buys 20.9% of the reused tokens on every one of 30 layers,
+:func:`~chunkcache.core.recompute.blend_share`): over the cap, every chunk's count
+shrinks in proportion; 1.0 is the paper's uncapped rule.  Chunks it computes fresh
+get the metadata CFO needs (CCI, per-token scores, context), read on every 4th layer;
+variants stored by other policies have none and score CFO = min(1, alpha), their
+first tokens recomputed.  Early termination on the question's focused chunks
+(Algorithm 1) is behind ``CraftConfig.focus_window``, off by default.
 
 Measured on SmolLM2 (``chunkcache bench engine``, docs/benchmarks/engine.md: float32,
 50 RAG prompts of 5 chunks cached after the system prompt, teacher-forced KL against full
 prefill along its 32-token answer): reuse 0.074, cacheblend 0.15 0.040 at 22.7% of
-token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft capped at 0.15 0.043 at 17.2%.
+token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft capped at 15% of the reused
+tokens 0.043 at 17.2%.  Capped at cacheblend 0.15's token-layers instead (8 of those
+prompts): cachecraft 0.035 at 21.8% against cacheblend 0.15's 0.043 at 22.6% (lower on 8 of
+8) and 0.30's 0.025; choosing tokens within each chunk by layer-1 V deviation (CFO only
+sharing the budget out) gave 0.047.
 An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
 token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
 that to 0.052.

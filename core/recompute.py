@@ -208,6 +208,17 @@ class GradualFilter:
         run.finish(rows, h[rows.keep_reused_rows(reused_rows[top])])
 
 
+def blend_share(ratio: float, num_layers: int) -> float:
+    """The share of the reused tokens that, recomputed on every layer, costs the token-layers
+    :func:`recompute` spends at ``ratio``: its first layers run every reused row and its
+    check layers filter them down gradually (0.209 at 0.15 over 30 layers)."""
+    if ratio <= 0 or ratio >= 1:
+        return min(1.0, max(0.0, ratio))
+    gradual = [min(1.0, share * ratio) for share in GRADUAL_FILTER]
+    shares = [1.0] * (FIRST_CHECK_LAYER + 1) + gradual  # rows running each layer; the last holds
+    return sum(shares[min(layer, len(shares) - 1)] for layer in range(num_layers)) / num_layers
+
+
 @torch.no_grad()
 def recompute(
     lm: LoadedModel, kv: SeqKV, ids: Tensor, computed: Tensor, reused: Tensor, ratio: float

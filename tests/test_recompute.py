@@ -10,7 +10,7 @@ from tiny_models import tiny_hf_model, tiny_lm, tiny_tokenizer
 
 from chunkcache.core.model_forward import embed, prefill, run_layers
 from chunkcache.core.models import LoadedModel
-from chunkcache.core.recompute import FIRST_CHECK_LAYER, GRADUAL_FILTER, recompute
+from chunkcache.core.recompute import FIRST_CHECK_LAYER, GRADUAL_FILTER, blend_share, recompute
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
 
@@ -58,6 +58,21 @@ def test_gradual_filter_matches_whole_check_layers(kind: str, ratio: float) -> N
     assert result.num_recomputed == num_recomputed
     torch.testing.assert_close(result.last_hidden, expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(mine_kv.keys(), kv.keys(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5, 1.0])
+def test_blend_share_is_what_recompute_spends(ratio: float) -> None:
+    layers = FIRST_CHECK_LAYER + len(GRADUAL_FILTER) + 3
+    lm = LoadedModel.from_hf(tiny_hf_model("llama", num_hidden_layers=layers), tiny_tokenizer())
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 120, (220,), generator=gen)
+    _, kv = prefill(lm, torch.randint(3, 120, (220,), generator=gen))
+    computed, reused = torch.tensor([219]), torch.arange(219)
+    result = recompute(lm, kv, ids, computed, reused, ratio)
+    spent = (result.token_layers - layers) / (219 * layers)  # the reused rows' share
+    # each gradual step keeps ceil(share * R) rows: at most one row per layer more
+    assert blend_share(ratio, layers) <= spent <= blend_share(ratio, layers) + 1 / 219
+    assert blend_share(0.15, 30) == pytest.approx((2 + 1.5 * 0.15 + 27 * 0.15) / 30)
 
 
 def test_values_depend_on_the_context_from_the_first_check_layer_on() -> None:
