@@ -9,19 +9,20 @@ order (§5.2, :class:`~chunkcache.core.store.reorder.CacheAwareQueue`: cached le
 computation length, a starvation window bounds how often one is passed over), and their chunks
 are fetched up from slower tiers while they wait (RAG-DCache §III.B).
 
-Measured 2026-11-23 on this machine (2-core AMX CPU, SmolLM2-135M-Instruct bf16, torch on one
-thread, other engineers' jobs keeping the load average at 6-7: absolute numbers are low, the
-ratios are what counts). N chat requests of ~50 prompt tokens, 64 greedy tokens each, all
-submitted at once; LocalBackend runs them one at a time:
+Measured 2026-11-23 on this machine (2-core AMX CPU, SmolLM2-135M-Instruct bf16, torch on
+both threads, load average ~2.5 from other jobs). N short chat requests, 64
+greedy tokens each, all submitted at once; LocalBackend runs them one at a time (tokens/s
+end to end, prefill included):
 
-    N   LocalBackend      BatchingBackend    mean batch
-    1   7.7 tok/s         6.8 tok/s          1.00
-    4   5.5 tok/s         19.1 tok/s         3.92
-    8   6.3 tok/s         37.8 tok/s         7.67
+    N   LocalBackend   BatchingBackend   mean batch
+    1   10.0           11.7              1.00
+    4   10.6           43.3              3.92
+    8   12.4           56.1              7.67
 
-One decode step alone (sequences of 300-440 tokens): 172 / 238 / 272 ms for B = 1 / 4 / 8,
-i.e. 5.8 / 16.8 / 29.4 tokens/s. A prefill still stalls the batch's decoding while it runs
-(no chunked prefill).
+One decode step alone (sequences of 300-440 tokens): 80 / 100 / 132 ms for B = 1 / 4 / 8, i.e.
+12.4 / 39.9 / 60.4 tokens/s. An earlier run on one thread at load ~6.5 gave the same shape
+(7.7 / 5.5 / 6.3 against 6.8 / 19.1 / 37.8 tokens/s). A prefill still stalls the batch's
+decoding while it runs (no chunked prefill).
 """
 
 from __future__ import annotations
