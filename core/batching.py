@@ -9,10 +9,10 @@ order (§5.2, :class:`~chunkcache.core.store.reorder.CacheAwareQueue`: cached le
 computation length, a starvation window bounds how often one is passed over), and their chunks
 are fetched up from slower tiers while they wait (RAG-DCache §III.B).
 
-Measured 2026-11-23 on this machine (2-core AMX CPU, SmolLM2-135M-Instruct bf16, torch on
-both threads, load average ~2.5 from other jobs). N short chat requests, 64
-greedy tokens each, all submitted at once; LocalBackend runs them one at a time (tokens/s
-end to end, prefill included):
+Measured 2026-11-23 on this machine (2-core AMD EPYC with AVX-512 bf16, no AMX;
+SmolLM2-135M-Instruct bf16, torch on both threads, load average ~2.5 from other jobs). N short
+chat requests, 64 greedy tokens each, all submitted at once; LocalBackend runs them one at a
+time (tokens/s end to end, prefill included):
 
     N   LocalBackend   BatchingBackend   mean batch
     1   10.0           11.7              1.00

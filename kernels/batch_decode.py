@@ -6,11 +6,11 @@ once for all B sequences instead of once per sequence; that is what makes batchi
 memory-bound CPU decode. Each row is rotated at its own position, its K/V is written into its
 own sequence, and it attends over its own sequence, one small attention per row.
 
-Looping over the rows beat padding them into one batch on this CPU (2026-11-23, 2-core AMX,
-SmolLM2 bf16, one thread, load ~7; sequences of 300-1,200 tokens): 154 / 224 / 334 ms per step
-for B = 1 / 4 / 8 against 163 / 266 / 471 ms padded. The padded batch copies every sequence's
-K/V into a ``[B, H_kv, S_max, D]`` buffer each layer and step and computes the padding too.
-"""
+Looping over the rows beat padding them into one batch on this CPU (2026-11-23, 2-core AMD EPYC
+without AMX, SmolLM2 bf16, one thread, load ~7; sequences of 300-1,200 tokens): 154 / 224 / 334
+ms per step for B = 1 / 4 / 8 against 163 / 266 / 471 ms padded. The padded batch copies every
+sequence's K/V into a ``[B, H_kv, S_max, D]`` buffer each layer and step and computes the
+padding too. """
 
 from __future__ import annotations
 
