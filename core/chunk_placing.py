@@ -50,14 +50,15 @@ class LoadReport:
         }
 
 
-def place_layer(lm: LoadedModel, placed: Sequence[PlacedChunk], kv: SeqKV, layer: int) -> None:
-    """Put layer ``layer`` of every placed chunk's stored KV at the chunk's new slots."""
+def place_layers(lm: LoadedModel, placed: Sequence[PlacedChunk], kv: SeqKV, layers: slice) -> None:
+    """Put ``layers`` of every placed chunk's stored KV at the chunk's new slots (the same
+    bits whether placed a layer at a time or all at once: the rotation is elementwise)."""
     for p in placed:
         variant, span = p.variant, p.span
-        # k: [H_kv, n, D] rotated at variant.start..; moved to span.start..
-        k = kv.k[layer, :, span.start : span.end]
-        k.copy_(lm.rope.shift(variant.k[layer], span.start - variant.start))
-        kv.v[layer, :, span.start : span.end].copy_(variant.v[layer])
+        # k: [L', H_kv, n, D] rotated at variant.start..; moved to span.start..
+        k = kv.k[layers, :, span.start : span.end]
+        k.copy_(lm.rope.shift(variant.k[layers], span.start - variant.start))
+        kv.v[layers, :, span.start : span.end].copy_(variant.v[layers])
 
 
 @contextmanager
@@ -80,13 +81,16 @@ def placing(
     load_s, token_s = load_profile(store, usage, reused, num_new)
     pipelined = bool(placed) and (load_s > 0 if layer_loading is None else layer_loading)
     if not pipelined:
-        for layer in range(num_layers):
-            place_layer(lm, placed, kv, layer)
+        place_layers(lm, placed, kv, slice(None))
         yield None
         return
     prefill_s = token_s * num_new
     depth = preload_depth(num_layers, prefill_s, load_s)
-    with LayerLoader(lambda layer: place_layer(lm, placed, kv, layer), num_layers, depth) as loader:
+
+    def load(layer: int) -> None:
+        place_layers(lm, placed, kv, slice(layer, layer + 1))
+
+    with LayerLoader(load, num_layers, depth) as loader:
         kv.before_layer = loader.wait
         try:
             yield LoadReport(depth, load_s, prefill_s, load_s / num_layers, token_s / num_layers)
