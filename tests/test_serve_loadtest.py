@@ -55,7 +55,9 @@ def test_memory_is_judged_after_warmup() -> None:
 
 
 def test_a_short_run_against_a_fake_server() -> None:
-    config = LoadTestConfig(clients=3, duration_s=1.0, max_tokens=3, chunks_per_prompt=2, out=None)
+    config = LoadTestConfig(
+        clients=3, warmup_s=0.5, duration_s=1.0, max_tokens=3, chunks_per_prompt=2, out=None
+    )
     with serve_app(create_app(FakeBackend())) as url:
         test = LoadTest(config, url, CHUNKS, FakeBackend.model_name)
         before = server_counters(url)
@@ -66,5 +68,6 @@ def test_a_short_run_against_a_fake_server() -> None:
     assert results["counts"]["completed"] == len(test.outcomes) >= 3
     assert results["server_counts"]["completed"] == results["counts"]["completed"]
     assert results["ttft_s"]["p50"] <= results["ttft_s"]["p99"]
+    assert results["throughput"]["requests_per_s"] > 0
     results["command"] = "chunkcache bench serve"
     assert "**pass**" in markdown(results)

@@ -129,7 +129,13 @@ def test_chunkcache_llm_over_http(server: str) -> None:
 
 def test_tiny_load_test_loses_and_doubles_nothing(server: str, model: str) -> None:
     config = LoadTestConfig(
-        clients=4, duration_s=10, max_tokens=4, chunks_per_prompt=2, max_requests=200, out=None
+        clients=4,
+        warmup_s=2,
+        duration_s=8,
+        max_tokens=4,
+        chunks_per_prompt=2,
+        max_requests=200,
+        out=None,
     )
     test = LoadTest(config, server, [CHUNK, CHUNK.upper(), CHUNK.replace("ten", "10")], model)
     asyncio.run(test.run())
