@@ -65,7 +65,10 @@ def test_more_recompute_is_closer_to_full(quality: Any) -> None:
 
 def test_cachecraft_beats_reuse_within_cacheblend_compute(quality: Any) -> None:
     # 50-prompt report: TF KL 0.043 at 17.2% of token-layers (cacheblend 0.15: 22.7%).
+    # Capped at cacheblend 0.15's token-layers (8 prompts, 32 answer tokens): 0.033 against
+    # cacheblend 0.15's 0.043, lower on 8 of 8.
     assert mean(quality, "cachecraft", "tf_kl") <= 0.8 * mean(quality, "reuse", "tf_kl")
+    assert mean(quality, "cachecraft", "tf_kl") <= mean(quality, "cacheblend-0.15", "tf_kl")
     assert mean(quality, "cachecraft", "tf_top1") >= 0.85
     craft_share = mean(quality, "cachecraft", "token_layer_share")
     assert craft_share <= mean(quality, "cacheblend-0.15", "token_layer_share")
