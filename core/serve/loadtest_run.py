@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -64,6 +65,10 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
         after = server_counters(url)
     results = summarize_run(config, test, wall_s, before, after, sampler)
     results["command"] = command
+    results["machine_load"] = {
+        "loadavg_1m_after": os.getloadavg()[0],
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (torch default)"),
+    }
     if config.out is not None:
         config.out.mkdir(parents=True, exist_ok=True)
         (config.out / f"{config.name}.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -172,6 +177,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{mem['early_mib']:.0f} MiB (first third, median) -> {mem['late_mib']:.0f} MiB "
             f"(last third), growth {mem['growth_mib']:+.1f} MiB, max {mem['max_mib']:.0f} MiB: "
             f"**{'flat' if mem['flat'] else 'GROWING'}**.",
+            "",
+        ]
+    load = results.get("machine_load", {})
+    if load:
+        lines += [
+            f"Machine load average (1 min) at the end: {load['loadavg_1m_after']:.1f} on "
+            f"{env['cores']} cores; OMP_NUM_THREADS={load['omp_num_threads']}.",
             "",
         ]
     lines += ["Machine and versions:", ""]
