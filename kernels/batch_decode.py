@@ -10,7 +10,7 @@ Looping over the rows beat padding them into one batch on this CPU (2026-11-23, 
 without AMX, SmolLM2 bf16, one thread, load ~7; sequences of 300-1,200 tokens): 154 / 224 / 334
 ms per step for B = 1 / 4 / 8 against 163 / 266 / 471 ms padded. The padded batch copies every
 sequence's K/V into a ``[B, H_kv, S_max, D]`` buffer each layer and step and computes the
-padding too. """
+padding too."""
 
 from __future__ import annotations
 
