@@ -86,7 +86,7 @@ def test_summary_stamps_reports_and_names_missing_ones(tmp_path: Path) -> None:
     assert text == summary_markdown(tmp_path)
     assert "| [store](store.md) |" in text
     assert "## Where chunkcache wins" in text
-    assert "Not run yet: `retriever`, `engine`, `rag`, `vllm`, `serve`." in text
+    assert "Not run yet: `retriever`, `engine`, `rag`, `rag-vllm`, `vllm`, `serve`." in text
 
 
 @pytest.mark.parametrize(("cached", "verdict"), [(1.8, "win"), (1.2, "loss")])
@@ -115,3 +115,22 @@ def test_a_load_test_that_lost_a_request_is_a_loss() -> None:
     found = serve_findings(report)
     assert [f.verdict for f in found] == ["loss", "win"]
     assert "1 lost" in found[0].text and found[0].next_step
+
+
+def test_the_default_system_is_compared_with_vllm_prefix_caching() -> None:
+    def row(rps: float, ttft: float) -> dict[str, object]:
+        return {
+            "ttft_s": {"median": ttft},
+            "queue": {"throughput_rps": rps},
+            "computed_share": 0.5,
+            "prompt_tokens": 100,
+            "rouge_l_vs_full": 0.9,
+        }
+
+    figures = {
+        "cacheblend-0.15 / chunkcache": row(0.3, 1.0),
+        "vLLM prefix caching on / plain": row(0.6, 0.5),
+    }
+    (found,) = [f for f in rag_findings({"workloads": {"corpus": {"figures": figures}}})]
+    assert found.verdict == "loss"
+    assert "0.50x the requests per second" in found.text and "2.00x its median" in found.text

@@ -162,6 +162,7 @@ def rag_findings(report: Report) -> list[Finding]:
     for workload, result in report.get("workloads", {}).items():
         figures = result["figures"]
         found.extend(_rag_speed(workload, figures))
+        found.extend(_rag_against_vllm(workload, figures))
         found.extend(_rag_accuracy(workload, figures))
     for line in report.get("skipped", []):
         found.append(Finding("rag", "even", f"Skipped: {line}."))
@@ -209,6 +210,32 @@ def _rag_speed(workload: str, figures: dict[str, Any]) -> list[Finding]:
             )
         )
     return found
+
+
+VLLM_PREFIX_SYSTEM = "vLLM prefix caching on / plain"
+
+
+def _rag_against_vllm(workload: str, figures: dict[str, Any]) -> list[Finding]:
+    """The default system against vLLM with prefix caching, same model and requests."""
+    ours, vllm = figures.get(DEFAULT_SYSTEM), figures.get(VLLM_PREFIX_SYSTEM)
+    if ours is None or vllm is None:
+        return []
+    throughput = ours["queue"]["throughput_rps"] / vllm["queue"]["throughput_rps"]
+    ttft = ours["ttft_s"]["median"] / vllm["ttft_s"]["median"]
+    quality = "; ".join(
+        f"{label} {ours[key]:.2f} against {vllm[key]:.2f}"
+        for key, label in (("accuracy", "exact match"), ("rouge_l_vs_full", "ROUGE-L vs full"))
+        if ours.get(key) is not None and vllm.get(key) is not None
+    )
+    return [
+        Finding(
+            "rag",
+            verdict_of(throughput, lower_is_better=False),
+            f"{workload}: {DEFAULT_SYSTEM} serves {throughput:.2f}x the requests per second of "
+            f"{VLLM_PREFIX_SYSTEM} under the same Poisson arrivals, at {ttft:.2f}x its median "
+            f"TTFT" + (f" ({quality})." if quality else "."),
+        )
+    ]
 
 
 def _rag_accuracy(workload: str, figures: dict[str, Any]) -> list[Finding]:
@@ -324,6 +351,7 @@ FINDERS: dict[str, Callable[[Report], list[Finding]]] = {
     "engine": engine_findings,
     "store": store_findings,
     "rag": rag_findings,
+    "rag-vllm": rag_findings,
     "vllm": vllm_findings,
     "serve": serve_findings,
 }
