@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from chunkcache.core.bench.report import environment
 
 
 @dataclass(frozen=True)
-class RagBenchConfig:
-    """Workload sizes, systems and output of one ``chunkcache bench rag`` run."""
+class RagWorkloadSizes:
+    """The requests a RAG benchmark replays: shared by ``bench rag`` and ``bench vllm``."""
 
     conversations: int = 24
     min_turns: int = 2
@@ -36,6 +36,16 @@ class RagBenchConfig:
     max_tokens: int = 32
     rate: float = 0.5  # Poisson arrivals per second, for the throughput simulation
     seed: int = 0
+
+    def sizes(self) -> dict[str, Any]:
+        """Just the workload sizes, as keyword arguments for another config."""
+        return {f.name: getattr(self, f.name) for f in fields(RagWorkloadSizes)}
+
+
+@dataclass(frozen=True)
+class RagBenchConfig(RagWorkloadSizes):
+    """Workload sizes, systems and output of one ``chunkcache bench rag`` run."""
+
     systems: tuple[str, ...] = ()
     store_mib: int = DEFAULT_STORE_MIB
     corpus_dir: Path | None = None

@@ -27,7 +27,7 @@ from chunkcache.core.bench.rag_bench import (
     system_chain,
 )
 from chunkcache.core.bench.rag_metrics import poisson_arrivals, system_figures
-from chunkcache.core.bench.rag_run import RagBenchConfig, workloads
+from chunkcache.core.bench.rag_run import RagBenchConfig, RagWorkloadSizes, workloads
 from chunkcache.core.bench.rag_workload import Workload
 from chunkcache.core.bench.report import environment
 from chunkcache.core.bench.vllm_report import markdown
@@ -38,17 +38,9 @@ TARGET_CACHED_RATIO = 1.5
 
 
 @dataclass(frozen=True)
-class VllmBenchConfig:
+class VllmBenchConfig(RagWorkloadSizes):
     """Workload sizes, the server's KV space and the output of one run."""
 
-    conversations: int = 24
-    min_turns: int = 2
-    max_turns: int = 5
-    gold_questions: int = 48
-    k: int = 5
-    max_tokens: int = 32
-    rate: float = 0.5  # Poisson arrivals per second, for the queue simulation
-    seed: int = 0
     kv_cache_gib: int = 1
     compile: bool = True  # torch.compile in vLLM: its fastest decode, about 2 min to start
     out: Path = field(default_factory=lambda: Path("docs/benchmarks"))
@@ -81,14 +73,7 @@ def run_vllm_bench(
     from chunkcache.integrations.vllm import VllmBackend
 
     vllm_python()  # a clear VllmNotInstalledError before anything is loaded
-    rag = RagBenchConfig(
-        conversations=config.conversations,
-        min_turns=config.min_turns,
-        max_turns=config.max_turns,
-        gold_questions=config.gold_questions,
-        k=config.k,
-        seed=config.seed,
-    )
+    rag = RagBenchConfig(**config.sizes())
     server_config = VllmServerConfig(
         kv_cache_gib=config.kv_cache_gib,
         threads=os.cpu_count(),
