@@ -9,6 +9,7 @@ results, and what to fix next.  A report that is missing is named as missing.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ def summary_markdown(folder: Path) -> str:
             f"| [{name}]({name}.md) | {TITLES.get(name, name)} | `{command}` "
             f"| {environment.get('commit', 'not stamped')} | {_machine(environment)} |"
         )
-        findings.extend(finder(report))
+        # Label each finding with its report's name (two reports may share a finder).
+        findings.extend(replace(f, report=name) for f in finder(report))
     for verdict, heading in VERDICT_HEADINGS.items():
         chosen = [f for f in findings if f.verdict == verdict]
         if chosen:
