@@ -6,7 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,41 +62,46 @@ class Job:
 
 
 class RequestHandle:
-    """The consumer's side of a submitted request: iterate it for the generated pieces.
+    """The consumer's side of a submitted request: an iterator over its generated pieces.
 
     The last piece carries the stats; an error inside the request (e.g. a prompt too long)
-    is raised from the iteration. Closing the iterator early (``break`` then dropping it,
-    or ``close()``) or calling :meth:`cancel` cancels the request: it leaves the batch at the
-    scheduler's next step.
+    is raised from the iteration. :meth:`close` (also :meth:`cancel`) cancels the request, and
+    so does dropping the handle before its end, read or not: the scheduler holds only the
+    :class:`Job`, so the handle's finalizer runs once its consumer lets go of it. A cancelled
+    request leaves the queue or the batch at the scheduler's next step.
     """
 
     def __init__(self, job: Job, scheduler_alive: Callable[[], bool]) -> None:
         self._job = job
         self._scheduler_alive = scheduler_alive
+        self._ended = False
+        weakref.finalize(self, job.cancelled.set).atexit = False
 
     def cancel(self) -> None:
         """Stop generating for this request (no effect once it ended)."""
         self._job.cancelled.set()
 
-    def __iter__(self) -> Iterator[GenerationChunk]:
-        return self._chunks()
+    close = cancel  # the generator protocol's name: consumers close iterators they abandon
 
-    def _chunks(self) -> Iterator[GenerationChunk]:
-        try:
-            while True:
-                try:
-                    event = self._job.events.get(timeout=1.0)
-                except queue.Empty:
-                    if not self._scheduler_alive():
-                        raise BackendUnavailableError("the batching scheduler stopped") from None
-                    continue
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if event.stats is not None:
-                    return
-        finally:
-            self.cancel()
+    def __iter__(self) -> RequestHandle:
+        return self
+
+    def __next__(self) -> GenerationChunk:
+        if self._ended or self._job.cancelled.is_set():
+            raise StopIteration
+        while True:
+            try:
+                event = self._job.events.get(timeout=1.0)
+            except queue.Empty:
+                if not self._scheduler_alive():
+                    self._ended = True
+                    raise BackendUnavailableError("the batching scheduler stopped") from None
+                continue
+            if isinstance(event, BaseException):
+                self._ended = True
+                raise event
+            self._ended = event.stats is not None
+            return event
 
 
 class JobQueue(CacheAwareQueue[Job]):

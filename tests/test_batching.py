@@ -3,6 +3,7 @@ cancellation, shutdown, failures kept to their request (tiny random Llama, float
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -149,6 +150,49 @@ def test_cancelled_requests_leave_the_queue_and_the_batch(
     assert metrics["running"] == metrics["waiting"] == 0
     assert metrics["tokens_generated_total"] < 300
     assert "never" not in engine.order
+    _, stats = collect(backend.stream(request("after")))  # the scheduler goes on
+    assert stats.completion_tokens > 0
+
+
+def test_closing_a_stream_after_one_piece_frees_its_slot(
+    gated: tuple[BatchingBackend, GatedEngine],
+) -> None:
+    backend, engine = gated
+    engine.gate.set()
+    first = backend.stream(request("long", variant=2, max_tokens=400))
+    assert next(first).text  # running: the batch (max_batch=2) has one slot left
+    second = backend.stream(request("long2", variant=4, max_tokens=400))
+    assert next(second).text
+    queued = backend.submit(request("next"))
+    assert backend.metrics()["waiting"] == 1  # the batch is full
+    first.close()
+    wait_until(lambda: "next" in engine.order)  # the freed slot went to the queued request
+    second.close()
+    _, stats = collect(queued)
+    assert stats.completion_tokens > 0
+    wait_until(lambda: backend.metrics()["running"] == 0)
+    metrics = backend.metrics()
+    assert (metrics["cancelled_total"], metrics["finished_total"]) == (2, 1)
+    assert metrics["tokens_generated_total"] < 400
+
+
+@pytest.mark.parametrize("abandon", ["close unread", "drop unread", "drop half read"])
+def test_an_abandoned_stream_is_cancelled(
+    gated: tuple[BatchingBackend, GatedEngine], abandon: str
+) -> None:
+    backend, engine = gated
+    engine.gate.set()
+    handle = backend.stream(request("long", variant=2, max_tokens=400))
+    if abandon == "close unread":
+        handle.close()
+    elif abandon == "drop half read":
+        assert next(handle).text
+    del handle  # the scheduler holds the job, not the handle: its finalizer cancels the job
+    gc.collect()
+    wait_until(lambda: backend.metrics()["cancelled_total"] == 1)
+    metrics = backend.metrics()
+    assert metrics["running"] == metrics["waiting"] == metrics["finished_total"] == 0
+    assert metrics["tokens_generated_total"] < 400
     _, stats = collect(backend.stream(request("after")))  # the scheduler goes on
     assert stats.completion_tokens > 0
 

@@ -1,0 +1,225 @@
+"""The scheduler thread of :class:`~chunkcache.core.batching.BatchingBackend`: admission to a
+bounded queue, the continuous-batching loop, and its counters.
+
+Each iteration drops cancelled jobs, admits at most one waiting job in RAGCache's cache-aware
+order (§5.2) and prefills it, then runs ONE batched decode step
+(:func:`~chunkcache.core.batch_step.decode_step`) for every running job, so jobs join and leave
+the batch between steps (nano-vllm's ``schedule -> run -> postprocess``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from chunkcache.core.batch_queue import Job, JobQueue, cached_tokens
+from chunkcache.core.batch_step import decode_step
+from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.errors import QueueFullError, ShuttingDownError
+from chunkcache.core.generation import GenerationChunk
+from chunkcache.core.sampling import sample_token
+
+COUNTERS = (
+    "requests_total",  # accepted by submit()
+    "rejected_total",  # refused by submit(): queue full or shutting down
+    "finished_total",  # ended with their stats
+    "failed_total",  # ended with an error (their own, or rejected at shutdown)
+    "cancelled_total",  # their consumer stopped reading, closed or dropped the stream
+    "tokens_generated_total",
+    "decode_steps_total",
+    "decode_rows_total",  # sum of the decode steps' batch sizes
+    "queue_seconds_sum",
+)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the thread that advances them."""
+
+    def __init__(
+        self, engine: ChunkEngine, max_queue: int, max_batch: int, starvation_window: int
+    ) -> None:
+        if max_queue < 1 or max_batch < 1:
+            raise ValueError(f"max_queue and max_batch must be >= 1, got {max_queue}, {max_batch}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self._cond = threading.Condition()
+        self._waiting = JobQueue(starvation_window)
+        self._running: list[Job] = []
+        self._stopping = False
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+        self._service_s: deque[float] = deque(maxlen=32)  # recent admission-to-end times
+        self._thread = threading.Thread(target=self._loop, name="chunkcache-batching", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """The scheduler thread still runs."""
+        return self._thread.is_alive()
+
+    def check_open(self) -> None:
+        """Raise :class:`ShuttingDownError` or :class:`QueueFullError` if a job would be refused."""
+        with self._cond:
+            if self._stopping:
+                self._counts["rejected_total"] += 1
+                raise ShuttingDownError("the backend is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                self._counts["rejected_total"] += 1
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are waiting already", self._retry_after()
+                )
+
+    def put(self, job: Job, cached: int, compute: int) -> None:
+        """Queue ``job`` with its cached and to-compute prompt tokens, unless refused."""
+        with self._cond:
+            self.check_open()
+            self._waiting.push(job, cached, compute)
+            self._counts["requests_total"] += 1
+            self._cond.notify()
+
+    def metrics(self) -> dict[str, float]:
+        """The counters, plus the ``waiting``, ``running`` and ``batch_size_mean`` gauges."""
+        with self._cond:
+            counts = dict(self._counts)
+            counts["waiting"] = len(self._waiting)
+            counts["running"] = len(self._running)
+        counts["batch_size_mean"] = counts["decode_rows_total"] / max(
+            1, counts["decode_steps_total"]
+        )
+        return counts
+
+    def shutdown(self, timeout_s: float, drain: bool) -> bool:
+        """Take no more jobs; run the running ones and (``drain``) the waiting ones to their
+        end, else fail those with :class:`ShuttingDownError`. True once the thread stopped."""
+        with self._cond:
+            self._stopping = True
+            shed = [] if drain else self._waiting.discard(lambda job: True)
+            self._counts["failed_total"] += len(shed)
+            self._cond.notify_all()
+        for job in shed:
+            job.events.put(ShuttingDownError("the backend shut down before the request ran"))
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _retry_after(self) -> float:
+        """Seconds until a queue slot likely frees: a running request ends about every
+        (mean service time / requests running)."""
+        if not self._service_s:
+            return 1.0
+        mean = sum(self._service_s) / len(self._service_s)
+        return max(0.05, mean / max(1, len(self._running)))
+
+    # The scheduler thread: everything below runs on it.
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or len(self._waiting) or self._running)
+                self._drop_cancelled()
+                if self._stopping and not self._waiting and not self._running:
+                    return
+                job = self._admit()
+            if job is not None:
+                self._prefill(job)
+            if self._running:
+                self._decode()
+
+    def _drop_cancelled(self) -> None:
+        gone = self._waiting.discard(lambda job: job.cancelled.is_set())
+        gone += [job for job in self._running if job.cancelled.is_set()]
+        self._running = [job for job in self._running if not job.cancelled.is_set()]
+        self._counts["cancelled_total"] += len(gone)
+
+    def _admit(self) -> Job | None:
+        """Pop the waiting job to run next (RAGCache §5.2), if the batch has room."""
+        if len(self._running) >= self.max_batch or not len(self._waiting):
+            return None
+        store, fingerprint = self.engine.store, self.engine.lm.fingerprint
+        self._waiting.refresh(lambda job: cached_tokens(store, fingerprint, job.segments))
+        job = self._waiting.pop()
+        job.admitted = time.perf_counter()
+        self._counts["queue_seconds_sum"] += job.admitted - job.submitted
+        return job
+
+    def _prefill(self, job: Job) -> None:
+        request = job.request
+        try:
+            job.prefilled = self.engine.prefill(
+                job.segments,
+                request.policy,
+                request.recompute_ratio,
+                request.conversation_id,
+                reserve=request.sampling.max_tokens,
+            )
+            self._sample(job, job.prefilled.logits)
+        except Exception as error:  # the request's own failure, e.g. PromptTooLongError
+            self._fail(job, error)
+            return
+        if job.done:
+            self._finish(job)
+        else:
+            with self._cond:
+                self._running.append(job)
+
+    def _decode(self) -> None:
+        """One batched decode step for every running job, then sample each one's next."""
+        batch = list(self._running)
+        try:
+            logits = decode_step(
+                self.engine.lm, [job.pending for job in batch], [job.state.kv for job in batch]
+            )  # logits: [B, V]
+        except Exception as error:
+            for job in batch:
+                self._fail(job, error)
+            return
+        with self._cond:
+            self._counts["decode_steps_total"] += 1
+            self._counts["decode_rows_total"] += len(batch)
+        for row, job in enumerate(batch):
+            job.state.ids.append(job.pending)
+            job.num_steps, job.batch_rows = job.num_steps + 1, job.batch_rows + len(batch)
+            try:
+                self._sample(job, logits[row])
+            except Exception as error:
+                self._fail(job, error)
+                continue
+            if job.done:
+                self._finish(job)
+
+    def _sample(self, job: Job, logits: torch.Tensor) -> None:
+        # logits: [V] float32
+        token = sample_token(logits, job.request.sampling, job.generator)
+        if not job.text.tokens and not job.text.finished:
+            job.state.stats.ttft_s = time.perf_counter() - job.submitted
+        piece = job.text.push(token)
+        job.pending = token
+        with self._cond:
+            self._counts["tokens_generated_total"] += 1
+        if piece:
+            job.events.put(GenerationChunk(piece))
+
+    def _finish(self, job: Job) -> None:
+        if job.request.conversation_id is not None:
+            self.engine.remember(job.request.conversation_id, job.state)
+        final = job.text.finish()
+        stats, now = job.state.stats, time.perf_counter()
+        stats.finish_reason = job.text.finish_reason
+        stats.completion_tokens = len(job.text.tokens)
+        stats.total_s = now - job.submitted
+        stats.extra["queue_s"] = job.admitted - job.submitted
+        stats.extra["batch_size"] = job.batch_rows / job.num_steps if job.num_steps else 0.0
+        self._end(job, "finished_total", now)
+        job.events.put(GenerationChunk(final, stats))
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        self._end(job, "failed_total", time.perf_counter())
+        job.events.put(error)
+
+    def _end(self, job: Job, counter: str, now: float) -> None:
+        with self._cond:
+            self._counts[counter] += 1
+            self._service_s.append(now - job.admitted)
+            if job in self._running:
+                self._running.remove(job)
