@@ -144,7 +144,7 @@ def test_cancelled_requests_leave_the_queue_and_the_batch(
     waiting.cancel()
     engine.gate.set()
     assert next(long_running).text  # it runs; now its consumer goes away
-    long_running.close()  # type: ignore[attr-defined]
+    long_running.close()
     wait_until(lambda: backend.metrics()["cancelled_total"] == 2)
     metrics = backend.metrics()
     assert metrics["running"] == metrics["waiting"] == 0
