@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import closing
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -52,6 +54,7 @@ class LocalBackend:
         return render_chat(self.tokenizer, messages)
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """Generate for ``request``; closing the iterator early stops decoding at once."""
         started = time.perf_counter()
         segments = self.segment_tokenizer(request.segments)
         params = request.sampling
@@ -68,14 +71,18 @@ class LocalBackend:
                 reserve=params.max_tokens,
             )
             stats = prefilled.stats
-            for token in self.engine.decode(prefilled, params):
-                if not text.tokens and not text.finished:
-                    stats.ttft_s = time.perf_counter() - started
-                piece = text.push(token)
-                if piece:
-                    yield GenerationChunk(piece)
-                if text.finished:
-                    break
+            # Closed early (the consumer stopped reading), decoding stops at that piece and
+            # the lock is free for the next request.
+            decoding = cast(Generator[int], self.engine.decode(prefilled, params))  # a generator
+            with closing(decoding) as tokens:
+                for token in tokens:
+                    if not text.tokens and not text.finished:
+                        stats.ttft_s = time.perf_counter() - started
+                    piece = text.push(token)
+                    if piece:
+                        yield GenerationChunk(piece)
+                    if text.finished:
+                        break
             if request.conversation_id is not None:
                 self.engine.remember(request.conversation_id, prefilled)
         final = text.finish()

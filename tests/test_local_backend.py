@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from tiny_models import tiny_lm, tiny_tokenizer
 
-from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.engine import ChunkEngine, Prefilled
 from chunkcache.core.generation import GenerationRequest, SamplingParams
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
@@ -53,3 +56,33 @@ def test_stop_checker_holds_back_a_possible_stop_prefix() -> None:
     assert checker.split("abc ST") == ("abc", False)
     assert checker.split("abc STOP more") == ("abc ", True)
     assert checker.final("abc ST") == "abc ST"
+
+
+class CountingEngine(ChunkEngine):
+    """Counts the tokens its decode yields, and whether that decode was closed."""
+
+    decoded = 0
+    closed = False
+
+    def decode(self, prefilled: Prefilled, params: SamplingParams) -> Iterator[int]:
+        try:
+            for token in super().decode(prefilled, params):
+                self.decoded += 1
+                yield token
+        finally:
+            self.closed = True
+
+
+def test_closing_a_stream_stops_decoding_at_once() -> None:
+    engine = CountingEngine(tiny_lm("llama"))
+    backend = LocalBackend(engine)
+    words = " ".join(f"w{(14 + i * 3) % 120}" for i in range(16))
+    request = GenerationRequest([TextSegment(words)], sampling=SamplingParams(max_tokens=300))
+    stream = backend.stream(request)
+    assert next(stream).text
+    decoded = engine.decoded
+    stream.close()  # type: ignore[attr-defined]
+    assert engine.closed and engine.decoded == decoded < 300
+    # the engine is free again: the next request runs at once
+    after = ThreadPoolExecutor(1).submit(lambda: list(backend.stream(request)))
+    assert after.result(timeout=60)[-1].stats is not None
