@@ -12,8 +12,16 @@ from tiny_models import tiny_lm
 
 from chunkcache.core.bench.hf_backend import HFGenerateBackend
 from chunkcache.core.bench.rag_metrics import fifo_queue, poisson_arrivals
+from chunkcache.core.bench.rag_quality import (
+    RagQualityScorer,
+    RecordingBackend,
+    quality_figures,
+    sample_requests,
+)
+from chunkcache.core.cache import ChunkCache
 from chunkcache.core.engine import ChunkEngine
-from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.generation import GenerationRequest, Policy, SamplingParams
+from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
 
@@ -58,6 +66,57 @@ def test_hf_baseline_answers_like_the_engine_with_full_prefill() -> None:
     assert 0 < stats.ttft_s <= stats.total_s
 
 
+CHUNK = ChunkSegment("c1", " ".join(f"w{i}" for i in range(10, 40)))
+
+
+def _request(head: str, policy: Policy) -> GenerationRequest:
+    return GenerationRequest(
+        [TextSegment(head), CHUNK, TextSegment(" w4 w5 w6")],
+        policy=policy,
+        sampling=SamplingParams(max_tokens=6),
+    )
+
+
+def test_scoring_is_exact_for_full_and_finds_reuse_in_a_changed_context() -> None:
+    lm = tiny_lm("llama")
+    backend = RecordingBackend(LocalBackend(ChunkEngine(lm, MemoryKVStore())))
+    cache = ChunkCache(backend=backend)
+    assert cache.backend is backend and backend.engine.lm is lm  # attributes pass through
+    for head in ("w1 w2 w3 ", "w7 w8 w9 w1 w2 "):  # the chunk is stored after the first head
+        *_, last = backend.stream(_request(head, "full"))
+        assert last.stats is not None
+    assert [r.segments[0].text for r in backend.requests] == ["w1 w2 w3 ", "w7 w8 w9 w1 w2 "]
+    store = backend.engine.store
+    stored = len(store)
+    scorer = RagQualityScorer(lm, answer_tokens=6)
+    fingerprint = lm.fingerprint
+    full = scorer.score(_request("w7 w8 w9 w1 w2 ", "full"), store, fingerprint)
+    assert full == {"first_kl": 0.0, "first_top1": 1.0, "tf_kl": 0.0, "tf_top1": 1.0}
+    # The stored prefix is exact: "prefix" matches full; "reuse" moves the chunk's KV
+    # from another context (the other head), which full prefill would not compute.
+    exact = scorer.score(_request("w1 w2 w3 ", "prefix"), store, fingerprint)
+    assert exact["tf_kl"] == pytest.approx(0.0, abs=1e-6) and exact["tf_top1"] == 1.0
+    moved = scorer.score(_request("w4 w1 w2 w3 ", "reuse"), store, fingerprint)
+    assert moved["tf_kl"] > 1e-4 and moved["first_kl"] > 1e-4
+    assert len(store) == stored  # scoring reads the system's store, never writes it
+    requests = [_request("w4 w1 w2 w3 ", "reuse"), _request("w1 w2 w3 ", "full")]
+    result = scorer.score_system(requests, [0, 1], store, fingerprint)
+    figures = quality_figures(result)
+    assert figures["tf_kl_vs_full"] == pytest.approx(moved["tf_kl"] / 2)
+    assert figures["logit_quality"]["scored_requests"] == [0, 1]
+    assert quality_figures({"n/a": "no logits"})["tf_kl_vs_full"] is None
+
+
+def test_quality_sample_is_seeded_ordered_and_all_when_small() -> None:
+    sample = sample_requests(50, 12, seed=3)
+    assert sample == sorted(set(sample)) and len(sample) == 12 and max(sample) < 50
+    assert sample == sample_requests(50, 12, seed=3) != sample_requests(50, 12, seed=4)
+    assert sample_requests(5, 12, seed=3) == sample_requests(5, None, seed=3) == [0, 1, 2, 3, 4]
+    assert sample_requests(5, 0, seed=3) == []
+    with pytest.raises(ValueError, match="sample size"):
+        sample_requests(50, -1, seed=3)
+
+
 @pytest.mark.slow
 def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> None:
     from chunkcache.core.bench.rag_run import RagBenchConfig, quick, run_rag_bench
@@ -81,8 +140,22 @@ def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> Non
         corpus["reuse / chunkcache"]["reused_share"]
         >= corpus["prefix / chunkcache"]["reused_share"]
     )
+    for name, row in corpus.items():  # logits against full, in float32
+        if name.startswith(("hf ", "vLLM ")):
+            assert row["tf_kl_vs_full"] is None and "n/a" in row["logit_quality"], name
+            continue
+        scored = row["logit_quality"]["scored_requests"]
+        assert scored == list(range(row["requests"])), name  # quick mode scores every request
+        assert row["tf_kl_vs_full"] >= 0.0 and 0.0 <= row["tf_top1_vs_full"] <= 1.0, name
+        assert row["first_kl_vs_full"] >= 0.0 and 0.0 <= row["first_top1_vs_full"] <= 1.0, name
+    for layout in ("plain", "chunkcache"):
+        assert corpus[f"full / {layout}"]["tf_kl_vs_full"] == 0.0
+        assert corpus[f"full / {layout}"]["tf_top1_vs_full"] == 1.0
+        assert corpus[f"prefix / {layout}"]["tf_kl_vs_full"] < 1e-3  # exact reuse only
+    assert corpus["reuse / plain"]["tf_kl_vs_full"] > corpus["prefix / plain"]["tf_kl_vs_full"]
     gold = report["workloads"]["gold"]["figures"]
     assert all(0.0 <= row["accuracy"] <= 1.0 for row in gold.values())
     text = (tmp_path / "smoke.md").read_text()
     assert "## corpus:" in text and "## gold:" in text and "vLLM" in text
+    assert "| TF KL | TF top-1 |" in text and "seeded requests" in text
     assert len(list(tmp_path.glob("smoke-*.png"))) == 6

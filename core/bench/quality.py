@@ -8,19 +8,61 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from chunkcache.core.bench.policies import FULL, POLICY_RUNS, PolicyRun, warm_views
 from chunkcache.core.bench.rag_prompts import RagPrompt
 from chunkcache.core.bench.report import summarize
-from chunkcache.core.bench.scoring import greedy, kl_divergence, rouge_l_f1, teacher_forced
+from chunkcache.core.bench.scoring import (
+    forced_log_probs,
+    greedy,
+    kl_divergence,
+    rouge_l_f1,
+    teacher_forced,
+)
 from chunkcache.core.engine import ChunkEngine, TokenSegment
+from chunkcache.core.generation import GenerationStats
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.tokenization import SegmentTokenizer
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A full prefill's greedy answer on a prompt, and its log-probs along that answer."""
+
+    answer: list[int]
+    log: Tensor  # [T, V] float32
+    stats: GenerationStats
+
+
+def full_reference(
+    lm: LoadedModel, segments: Sequence[TokenSegment], answer_tokens: int
+) -> Reference:
+    """``full``'s greedy answer of at most ``answer_tokens`` on ``segments``."""
+    reference = FULL.prefill(ChunkEngine(lm), segments, reserve=answer_tokens)
+    answer = greedy(lm, reference.logits, reference.kv, answer_tokens, lm.eos_ids)
+    reference.kv.length = len(reference.ids)  # back to the prompt alone
+    log = forced_log_probs(lm, reference.logits, reference.kv, answer)
+    return Reference(answer, log, reference.stats)
+
+
+def along_answer(reference: Reference, log: Tensor) -> dict[str, float]:
+    """First-token and teacher-forced KL from ``full`` and top-1 agreement with its
+    answer, for a run's log-probs ``log`` [T, V] along ``reference.answer``."""
+    kl = kl_divergence(reference.log, log)  # [T]
+    top1 = (log.argmax(dim=-1).cpu() == torch.tensor(reference.answer)).float()  # [T]
+    return {
+        "first_kl": float(kl[0]),
+        "first_top1": float(top1[0]),
+        "tf_kl": float(kl.mean()),
+        "tf_top1": float(top1.mean()),
+    }
 
 
 def prompt_quality(
@@ -32,30 +74,22 @@ def prompt_quality(
     """Each run's distance from ``full`` on one prompt (run it in float32)."""
     views = warm_views(lm, segments, runs)
     stop = lm.eos_ids
-    reference = FULL.prefill(ChunkEngine(lm), segments, reserve=answer_tokens)
-    answer = greedy(lm, reference.logits, reference.kv, answer_tokens, stop)
-    reference.kv.length = len(reference.ids)  # back to the prompt alone
-    full_log, _ = teacher_forced(lm, reference.logits, reference.kv, answer, answer_tokens, stop)
+    reference = full_reference(lm, segments, answer_tokens)
+    answer = reference.answer
     full_words = _words(lm, answer, stop)
     rows: dict[str, dict[str, Any]] = {}
     for run in runs:
         if run == FULL:
-            prefilled, tf_log, own_words = reference, full_log, full_words
+            stats, tf_log, own_words = reference.stats, reference.log, full_words
         else:
             engine = ChunkEngine(lm, views[run.warm])
             prefilled = run.prefill(engine, segments, reserve=answer_tokens)
             tf_log, own = teacher_forced(
                 lm, prefilled.logits, prefilled.kv, answer, answer_tokens, stop
             )
-            own_words = _words(lm, own, stop)
-        kl = kl_divergence(full_log, tf_log)  # [T]
-        top1 = (tf_log.argmax(dim=-1) == torch.tensor(answer)).float()  # [T]
-        stats = prefilled.stats
+            stats, own_words = prefilled.stats, _words(lm, own, stop)
         rows[run.name] = {
-            "first_kl": float(kl[0]),
-            "first_top1": float(top1[0]),
-            "tf_kl": float(kl.mean()),
-            "tf_top1": float(top1.mean()),
+            **along_answer(reference, tf_log),
             "rouge_l": rouge_l_f1(own_words, full_words),
             "token_layer_share": float(stats.extra["token_layer_share"]),
             "prompt_tokens": stats.prompt_tokens,

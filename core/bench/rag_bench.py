@@ -24,6 +24,7 @@ from langchain_core.runnables import Runnable
 from chunkcache.core.bench.hf_backend import HFGenerateBackend
 from chunkcache.core.bench.policies import FULL, POLICY_RUNS, PolicyRun
 from chunkcache.core.bench.rag_chains import LAYOUTS, Layout, RetrievedChunks, rag_chain
+from chunkcache.core.bench.rag_quality import NOT_SCORED, RagQualityScorer, RecordingBackend
 from chunkcache.core.bench.rag_workload import BenchRequest, Workload
 from chunkcache.core.bench.report import CpuMeter
 from chunkcache.core.cache import ChunkCache
@@ -141,12 +142,31 @@ def replay(
     max_tokens: int,
     store_mib: int = DEFAULT_STORE_MIB,
     progress: Progress | None = None,
+    scorer: RagQualityScorer | None = None,
+    scored: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Run every request of ``workload`` on ``system``: its records and the CPU share."""
+    """Run every request of ``workload`` on ``system``: its records and the CPU share;
+    then, untimed, ``scorer``'s quality of the ``scored`` requests (engine systems)."""
     with system_backend(system, lm, store_mib) as backend:
-        chain = system_chain(system, backend, workload, max_tokens)
+        recording = RecordingBackend(backend)
+        chain = system_chain(system, recording, workload, max_tokens)
         result = replay_chain(system.name, chain, workload, progress)
         del chain
+        if not isinstance(backend, LocalBackend):
+            result["quality"] = {"n/a": NOT_SCORED[system.generator]}
+        elif scorer is not None:
+            if len(recording.requests) != len(workload.requests):
+                raise RuntimeError(
+                    f"{system.name} sent {len(recording.requests)} prompts for "
+                    f"{len(workload.requests)} requests: cannot pair them for scoring"
+                )
+            store, fingerprint = backend.engine.store, backend.engine.lm.fingerprint
+            result["quality"] = scorer.score_system(recording.requests, scored, store, fingerprint)
+            if progress is not None:
+                progress(
+                    f"{system.name}: quality of {len(scored)} requests in "
+                    f"{result['quality']['scoring_s']:.0f} s"
+                )
     gc.collect()  # frees the system's KV before the next system runs
     return result
 

@@ -108,8 +108,9 @@ def _workload_section(workload: str, result: dict[str, Any], plots: list[str]) -
         f"## {workload}: {result['description']}",
         "",
         f"| system | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | queue p99 s | throughput/s | "
-        f"computed | chunk hits | Prefix | Total | {quality_label} | other CPU |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"computed | chunk hits | Prefix | Total | {quality_label} | 1st KL | 1st top-1 | "
+        "TF KL | TF top-1 | other CPU |",
+        "| --- |" + " ---: |" * 15,
     ]
     for system, row in figures.items():
         quality = _quality(row)[1]
@@ -120,7 +121,41 @@ def _workload_section(workload: str, result: dict[str, Any], plots: list[str]) -
             f"{row['queue']['throughput_rps']:.2f} | {row['computed_share']:.0%} | "
             f"{'-' if hits is None else f'{hits:.0%}'} | {row['craft_prefix']:.2f} | "
             f"{row['craft_total']:.2f} | {'-' if quality is None else f'{quality:.3f}'} | "
-            f"{row['cpu']['other_cores']:.2f} |"
+            f"{_logit_cells(row)} | {row['cpu']['other_cores']:.2f} |"
         )
-    lines += ["", *(f"![{name}]({name})" for name in plots)]
+    lines += ["", _logit_note(figures), "", *(f"![{name}]({name})" for name in plots)]
     return lines
+
+
+def _logit_cells(row: dict[str, Any]) -> str:
+    """First-token and teacher-forced KL and top-1 against full, or n/a / - (not scored)."""
+    missing = "n/a" if "n/a" in row.get("logit_quality", {}) else "-"
+    cells = []
+    for field, digits in (("first_kl", 4), ("first_top1", 2), ("tf_kl", 4), ("tf_top1", 2)):
+        value = row.get(f"{field}_vs_full")
+        cells.append(missing if value is None else f"{value:.{digits}f}")
+    return " | ".join(cells)
+
+
+def _logit_note(figures: dict[str, Any]) -> str:
+    scored = [
+        r["logit_quality"] for r in figures.values() if r.get("logit_quality", {}).get("mean")
+    ]
+    reasons = sorted(
+        {
+            f"`{name.split(' / ')[0]}`: {r['logit_quality']['n/a']}"
+            for name, r in figures.items()
+            if "n/a" in r.get("logit_quality", {})
+        }
+    )
+    if not scored:
+        return "KL and top-1 against full: not scored in this run."
+    first = scored[0]
+    return (
+        f"KL and top-1: against a full prefill of the same prompt, along its greedy "
+        f"{first['answer_tokens']}-token answer (1st: the first token; TF: teacher-forced, "
+        f"mean over the answer), on {len(first['scored_requests'])} seeded requests, scored "
+        f"after the timed replay in {first['dtype']} with the system's policy reading its KV "
+        "store as the run left it (cast from bfloat16), without its conversation memory. "
+        + " ".join(f"{reason}." for reason in reasons)
+    )

@@ -15,6 +15,7 @@ from chunkcache.core.bench.rag_bench import (
     select_systems,
 )
 from chunkcache.core.bench.rag_metrics import poisson_arrivals, system_figures
+from chunkcache.core.bench.rag_quality import RagQualityScorer, quality_figures, sample_requests
 from chunkcache.core.bench.rag_workload import (
     Workload,
     corpus_workload,
@@ -48,6 +49,8 @@ class RagBenchConfig(RagWorkloadSizes):
 
     systems: tuple[str, ...] = ()
     store_mib: int = DEFAULT_STORE_MIB
+    # Requests per workload whose logits are scored against full (seeded sample; None: all).
+    quality_requests: int | None = 12
     corpus_dir: Path | None = None
     chroma: tuple[str, str] | None = None
     questions: Path | None = None
@@ -88,6 +91,9 @@ def run_rag_bench(
     systems = select_systems(config.systems)
     env = environment(("torch", "transformers", "langchain-core", "chromadb"))
     lm = load_model(dtype=torch.bfloat16)
+    scorer = None
+    if config.quality_requests != 0 and any(s.generator == "engine" for s in systems):
+        scorer = RagQualityScorer(load_model(dtype=torch.float32), config.max_tokens)
     report: dict[str, Any] = {
         "command": command,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -99,7 +105,9 @@ def run_rag_bench(
         "workloads": {},
     }
     for workload in workloads(config):
-        report["workloads"][workload.name] = run_workload(workload, systems, lm, config, progress)
+        report["workloads"][workload.name] = run_workload(
+            workload, systems, lm, config, progress, scorer
+        )
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     report["plots"] = plot(report, config.out, config.name)
@@ -113,10 +121,14 @@ def run_workload(
     lm: Any,
     config: RagBenchConfig,
     progress: Progress | None,
+    scorer: RagQualityScorer | None = None,
 ) -> dict[str, Any]:
     arrivals = poisson_arrivals(len(workload.requests), config.rate, config.seed)
+    scored = sample_requests(len(workload.requests), config.quality_requests, config.seed)
     runs = {
-        s.name: replay(s, lm, workload, config.max_tokens, config.store_mib, progress)
+        s.name: replay(
+            s, lm, workload, config.max_tokens, config.store_mib, progress, scorer, scored
+        )
         for s in systems
     }
     figures = {}
@@ -129,6 +141,7 @@ def run_workload(
                 arrivals,
                 reference["records"] if reference is not None else None,
             ),
+            **quality_figures(runs[system.name].get("quality")),
             "cpu": runs[system.name]["cpu"],
         }
     return {

@@ -42,6 +42,15 @@ def greedy(
     return tokens
 
 
+def forced_log_probs(lm: LoadedModel, logits: Tensor, kv: SeqKV, tokens: Sequence[int]) -> Tensor:
+    """Log-probs of the next token before each of ``tokens`` given the ones before it:
+    ``logits`` [V] follow the prompt in ``kv`` (extended in place by ``tokens[:-1]``)."""
+    rows = [logits[None]]
+    if len(tokens) > 1:
+        rows.append(all_logits(lm, torch.tensor(tokens[:-1], dtype=torch.long), kv))  # [T-1, V]
+    return torch.log_softmax(torch.cat(rows), dim=-1)  # [T, V]
+
+
 def teacher_forced(
     lm: LoadedModel,
     logits: Tensor,
@@ -58,10 +67,7 @@ def teacher_forced(
     first different choice and only then runs on by itself (``kv`` cut back there).
     """
     start = kv.length
-    rows = [logits[None]]
-    if len(tokens) > 1:
-        rows.append(all_logits(lm, torch.tensor(tokens[:-1], dtype=torch.long), kv))  # [T-1, V]
-    log = torch.log_softmax(torch.cat(rows), dim=-1)  # log: [T, V]
+    log = forced_log_probs(lm, logits, kv, tokens)  # log: [T, V]
     differ = (log.argmax(dim=-1).cpu() != torch.tensor(tokens)).nonzero()
     if differ.numel() == 0:
         return log, list(tokens)
