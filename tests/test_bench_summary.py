@@ -134,3 +134,22 @@ def test_the_default_system_is_compared_with_vllm_prefix_caching() -> None:
     (found,) = [f for f in rag_findings({"workloads": {"corpus": {"figures": figures}}})]
     assert found.verdict == "loss"
     assert "0.50x the requests per second" in found.text and "2.00x its median" in found.text
+
+
+def test_the_default_systems_rag_finding_carries_its_kl_from_full() -> None:
+    def row(ttft: float, kl: float | None) -> dict[str, object]:
+        return {
+            "ttft_s": {"median": ttft},
+            "computed_share": 0.4,
+            "tf_kl_vs_full": kl,
+            "tf_top1_vs_full": None if kl is None else 0.9,
+            "logit_quality": {"scored_requests": [0, 3, 5]},
+        }
+
+    figures = {"cacheblend-0.15 / chunkcache": row(0.5, 0.0412), "full / plain": row(1.0, 0.0)}
+    (found,) = rag_findings({"workloads": {"corpus": {"figures": figures}}})
+    assert found.verdict == "win" and "0.50x" in found.text
+    assert "teacher-forced KL of 0.041" in found.text and "90%, 3 requests" in found.text
+    figures["cacheblend-0.15 / chunkcache"] = row(0.5, None)
+    (found,) = rag_findings({"workloads": {"corpus": {"figures": figures}}})
+    assert "KL" not in found.text

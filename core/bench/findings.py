@@ -188,7 +188,7 @@ def _rag_speed(workload: str, figures: dict[str, Any]) -> list[Finding]:
                     f"{workload}: {DEFAULT_SYSTEM} has a median TTFT {ratio:.2f}x that of "
                     f"{baseline} ({ours['ttft_s']['median'] * 1000:.0f} ms against "
                     f"{figures[baseline]['ttft_s']['median'] * 1000:.0f} ms); it computes "
-                    f"{ours['computed_share']:.0%} of its prompt tokens.",
+                    f"{ours['computed_share']:.0%} of its prompt tokens" + _rag_kl(ours) + ".",
                 )
             )
     plain = figures.get("cacheblend-0.15 / plain")
@@ -210,6 +210,17 @@ def _rag_speed(workload: str, figures: dict[str, Any]) -> list[Finding]:
             )
         )
     return found
+
+
+def _rag_kl(row: dict[str, Any]) -> str:
+    """The system's teacher-forced KL and top-1 agreement against full, if scored."""
+    if row.get("tf_kl_vs_full") is None:
+        return ""
+    scored = len(row["logit_quality"]["scored_requests"])
+    return (
+        f", at a teacher-forced KL of {row['tf_kl_vs_full']:.3f} from full prefill of the same "
+        f"prompts (top-1 agreement {row['tf_top1_vs_full']:.0%}, {scored} requests)"
+    )
 
 
 VLLM_PREFIX_SYSTEM = "vLLM prefix caching on / plain"
