@@ -8,9 +8,17 @@ loading every layer is placed before compute starts.  With it, a background
 the merged KV makes each layer wait for its own (:attr:`SeqKV.before_layer`).  Both give
 the same bits: each layer is placed by the same operations either way.
 
-T_load is this request's measured seconds reading lower tiers (disk, Redis) and T_prefill
-the store's profile estimate of the prefill (RAGCache's cost model), so the depth follows
-what the request actually loads.  The engine hands both to CacheBlend's loading controller
+A disk hit arrives as a :class:`~chunkcache.core.store.lazy.LazyKVVariant` whose layers are
+still on disk: the placement reads each layer (and verifies its checksum) right before
+rotating and copying it, so with layer-wise loading the disk read of layer ``l + 1`` runs in
+the loader thread while layer ``l`` computes.  Such a request is pipelined by default.  A
+layer that fails its checksum raises ``CorruptEntryError`` from the layer's wait, before
+that layer is computed (the engine then runs the request again without the entry).
+
+T_load is this request's measured seconds reading lower tiers (disk, Redis) plus the reads
+still pending (their bytes over the tier's measured bandwidth), and T_prefill the store's
+profile estimate of the prefill (RAGCache's cost model), so the depth follows what the
+request actually loads.  The engine hands both to CacheBlend's loading controller
 (§5.1), which raises the recompute ratio to what one layer's load hides.
 """
 
@@ -25,8 +33,10 @@ from chunkcache.core.craft_plan import PlacedChunk
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.store.hooks import load_profile, preload_depth
+from chunkcache.core.store.lazy import LazyKVVariant
 from chunkcache.core.store.loading import LayerLoader
 from chunkcache.core.store.metrics import StoreUsage
+from chunkcache.core.store.tiered import TieredKVStore
 from chunkcache.kernels.kv import SeqKV
 
 
@@ -35,7 +45,7 @@ class LoadReport:
     """How one request's chunk KV was placed, and the controller's inputs."""
 
     depth: int  # layers placed ahead of compute (Cache-Craft Eq. 16)
-    load_s: float  # seconds this request spent reading lower tiers
+    load_s: float  # seconds this request spent reading lower tiers, and will (estimated)
     prefill_s: float  # the store's estimate of the prefill's seconds
     layer_load_s: float  # load_s per layer
     token_layer_s: float  # estimated seconds of one token through one layer
@@ -55,10 +65,20 @@ def place_layers(lm: LoadedModel, placed: Sequence[PlacedChunk], kv: SeqKV, laye
     bits whether placed a layer at a time or all at once: the rotation is elementwise)."""
     for p in placed:
         variant, span = p.variant, p.span
-        # k: [L', H_kv, n, D] rotated at variant.start..; moved to span.start..
+        stored_k, stored_v = variant.layers(layers)  # a lazy variant reads them here
+        # stored_k: [L', H_kv, n, D] rotated at variant.start..; moved to span.start..
         k = kv.k[layers, :, span.start : span.end]
-        k.copy_(lm.rope.shift(variant.k[layers], span.start - variant.start))
-        kv.v[layers, :, span.start : span.end].copy_(variant.v[layers])
+        k.copy_(lm.rope.shift(stored_k, span.start - variant.start))
+        kv.v[layers, :, span.start : span.end].copy_(stored_v)
+
+
+def pending_seconds(store: KVStore, pending: Sequence[LazyKVVariant]) -> float:
+    """Estimated seconds to read the layers of ``pending`` not read yet: their bytes over
+    each tier's measured bandwidth (CacheBlend §5.1's T_load; 0 for a tier never read)."""
+    if not isinstance(store, TieredKVStore):
+        return 0.0
+    bandwidth = store.load_bandwidth()
+    return sum(v.pending_bytes / bandwidth[v.tier] for v in pending if v.tier in bandwidth)
 
 
 @contextmanager
@@ -73,13 +93,17 @@ def placing(
 ) -> Iterator[LoadReport | None]:
     """Place ``placed`` into ``kv`` for the compute inside the ``with``.
 
-    ``layer_loading`` None pipelines when the request read entries from a lower tier,
-    True always, False never.  Yields the :class:`LoadReport` when pipelined, else None.
+    ``layer_loading`` None pipelines when the request read entries from a lower tier or
+    still has layers to read from one, True always, False never (every layer is read and
+    placed before compute).  Yields the :class:`LoadReport` when pipelined, else None.
     """
     num_layers = lm.spec.num_layers
     reused = sum(len(p.slots) for p in placed)
     load_s, token_s = load_profile(store, usage, reused, num_new)
-    pipelined = bool(placed) and (load_s > 0 if layer_loading is None else layer_loading)
+    pending = [p.variant for p in placed if isinstance(p.variant, LazyKVVariant)]
+    load_s += pending_seconds(store, pending)
+    lower = load_s > 0 or any(v.pending_bytes for v in pending)
+    pipelined = bool(placed) and (lower if layer_loading is None else layer_loading)
     if not pipelined:
         place_layers(lm, placed, kv, slice(None))
         yield None

@@ -44,6 +44,7 @@ that to 0.052.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -71,6 +72,7 @@ from chunkcache.core.model_forward import last_logits
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.recompute import recompute
 from chunkcache.core.sampling import sample_token
+from chunkcache.core.store.codec import CorruptEntryError
 from chunkcache.core.store.hooks import record_prefill, track_store
 from chunkcache.core.store.loading import controlled_ratio
 from chunkcache.core.store.metrics import StoreUsage
@@ -139,13 +141,16 @@ class ChunkEngine:
         """Prefill ``segments``; ``reserve`` tokens of room are kept for decoding.
 
         A tiered store reports this request's hits and loads per tier in
-        ``stats.extra["store"]`` and learns the prefill's cost per token (PGDSF).
+        ``stats.extra["store"]`` and learns the prefill's cost per token (PGDSF).  A stored
+        layer found corrupt mid-prefill (read lazily from disk) runs the request once more.
         """
         started = time.perf_counter()
+        run = functools.partial(self._prefill, segments, policy, ratio, conversation_id, reserve)
         with track_store(self.store) as usage:
-            prefilled, stored = self._prefill(
-                segments, policy, ratio, conversation_id, reserve, usage
-            )
+            try:
+                prefilled, stored = run(usage)
+            except CorruptEntryError:  # a layer read mid-prefill failed its checksum: the
+                prefilled, stored = run(usage)  # store dropped that entry, now it is a miss
         stats = prefilled.stats
         stats.extra["store"] = usage.as_dict()
         new_tokens = stats.computed_tokens + stats.recomputed_tokens

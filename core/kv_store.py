@@ -84,6 +84,11 @@ class KVVariant:
     def num_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def layers(self, layers: slice) -> tuple[Tensor, Tensor]:
+        """k and v of ``layers`` (``[L', H_kv, n, D]`` each); a variant read lazily from a
+        slower tier reads just those layers (:mod:`chunkcache.core.store.lazy`)."""
+        return self.k[layers], self.v[layers]
+
 
 class KVStore(Protocol):
     """What the engine needs from a chunk-KV store."""

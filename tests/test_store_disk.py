@@ -19,6 +19,7 @@ from chunkcache.core.craft import CraftMeta
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 from chunkcache.core.store import DiskTier, TieredKVStore
 from chunkcache.core.store.codec import namespace_of
+from chunkcache.core.store.disk import LAYOUT
 
 TESTS = Path(__file__).parent
 
@@ -108,7 +109,7 @@ def test_one_fingerprint_never_reads_another(tmp_path: Path) -> None:
     assert store.variants("model-B", "a") == []
     # files copied into B's namespace by hand are still refused: the header names model-A
     disk_store(tmp_path).put("model-B", make_variant("other"))
-    a_ns, b_ns = (tmp_path / "v1" / namespace_of(fp) for fp in ("model-A", "model-B"))
+    a_ns, b_ns = (tmp_path / LAYOUT / namespace_of(fp) for fp in ("model-A", "model-B"))
     for path in sorted(a_ns.rglob("*")):
         target = b_ns / path.relative_to(a_ns)
         if path.is_dir():
@@ -204,8 +205,8 @@ def test_a_failing_disk_degrades_to_misses(
     a, b = make_variant("a"), make_variant("b", seed=1)
     store.put(FP, a)
     store.flush()
-    shutil.rmtree(tmp_path / "v1")
-    (tmp_path / "v1").write_text("not a directory")
+    shutil.rmtree(tmp_path / LAYOUT)
+    (tmp_path / LAYOUT).write_text("not a directory")
     store.put(FP, b)  # a is evicted from host; its disk copy is unreadable, b's write fails
     store.flush()
     assert store.exact(FP, "a", "root") is None

@@ -4,16 +4,24 @@ Layout (every name a hash, :mod:`chunkcache.core.store.codec`)::
 
     root/.lock                     filelock held while committing or evicting
     root/.epoch                    bumped on every change; another number means rescan
-    root/v1/<ns>/<seg[:2]>/<seg>/<ctx>.safetensors   k, v
-    root/v1/<ns>/<seg[:2]>/<seg>/<ctx>.json          header; its presence commits the entry
+    root/v2/<ns>/<seg[:2]>/<seg>/<ctx>.safetensors   k, v: [L, H_kv, n, D] each
+    root/v2/<ns>/<seg[:2]>/<seg>/<ctx>.json          header; its presence commits the entry
+
+The ``v2`` directory is the codec's format version (format 2: a checksum per layer in the
+header).  Directories of older formats are removed when a tier opens: their entries are
+misses, never read.
 
 A write goes to temp files first (fsync), then, under the lock, the old header is removed,
 the data renamed into place, then the header (the commit), then the directory fsynced.  A
 process killed at any point leaves either the old entry, no entry, or the new entry, plus at
 worst a data file without a header or a temp file, both swept on the next open.  Reads take
-no lock: a header names a checksum of the data, verified on every read (codec.decode).
-The byte index is rebuilt from the directory on open, and again whenever another process
-changed the directory (``.epoch``), so capacity holds across processes.
+no lock.  :meth:`DiskTier.get` reads a whole entry and verifies its header and every layer
+(codec.decode).  :meth:`DiskTier.open_lazy` reads and verifies only the header and opens the
+data file; its layers are then read one at a time, each verified against its checksum as it
+is read (:class:`~chunkcache.core.store.layer_file.LayerFile`), so a disk hit's read hides
+behind compute (:mod:`chunkcache.core.store.lazy`).  The byte index is rebuilt from the
+directory on open, and again whenever another process changed the directory (``.epoch``),
+so capacity holds across processes.
 """
 
 from __future__ import annotations
@@ -21,19 +29,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from filelock import FileLock
 
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 from chunkcache.core.store import codec
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey
+from chunkcache.core.store.layer_file import LayerFile
 from chunkcache.core.store.tier import Evicted, Victim
 
 LAYOUT = f"v{codec.FORMAT_VERSION}"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,19 +112,13 @@ class DiskTier:
             return None
 
     def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
-        try:
-            return self._read(key, fingerprint)
-        except FileNotFoundError:
-            return None  # evicted by another process between lookup and read
-        except CorruptEntryError:
-            with self._locked():  # a writer may have been replacing it: look once more
-                try:
-                    return self._read(key, fingerprint)
-                except FileNotFoundError:
-                    return None
-                except CorruptEntryError:
-                    self._remove_files(key)
-                    raise
+        return self._retrying(key, lambda: self._read(key, fingerprint))
+
+    def open_lazy(self, key: EntryKey, fingerprint: str) -> tuple[dict[str, Any], LayerFile] | None:
+        """An entry's verified header and its data file opened for per-layer reads (no
+        tensor bytes read yet); None if absent.  Raises ``CorruptEntryError`` (the entry
+        removed) if the header or the data file's tensor table fails its checks."""
+        return self._retrying(key, lambda: self._open(key, fingerprint))
 
     def put(
         self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
@@ -170,6 +176,34 @@ class DiskTier:
         header = codec.parse_header(header_path.read_bytes())
         return codec.decode(data_path.read_bytes(), header, fingerprint, key)
 
+    def _open(self, key: EntryKey, fingerprint: str) -> tuple[dict[str, Any], LayerFile]:
+        data_path, header_path = self._paths(key)
+        raw = header_path.read_bytes()
+        header = codec.parse_header(raw)
+        codec.verify_header(header, fingerprint, key)
+        layers = LayerFile(data_path, header)
+        if header_path.read_bytes() != raw:  # replaced meanwhile: the data may be the new one
+            layers.close()
+            raise CorruptEntryError("entry replaced while it was opened")
+        return header, layers
+
+    def _retrying(self, key: EntryKey, read: Callable[[], T]) -> T | None:
+        """``read()``; None if the entry is gone.  A corrupt verdict is checked once more
+        under the lock (a writer may have been replacing the entry), then the entry removed."""
+        try:
+            return read()
+        except FileNotFoundError:
+            return None  # evicted by another process between lookup and read
+        except CorruptEntryError:
+            with self._locked():
+                try:
+                    return read()
+                except FileNotFoundError:
+                    return None
+                except CorruptEntryError:
+                    self._remove_files(key)
+                    raise
+
     def _load_quietly(self, key: EntryKey) -> tuple[str, KVVariant] | None:
         """An entry with the fingerprint its header names (the key's namespace binds the two)."""
         data_path, header_path = self._paths(key)
@@ -214,7 +248,12 @@ class DiskTier:
         self._epoch = _read_epoch(self.root)
 
     def _sweep(self) -> None:
-        """Remove what a killed writer left: data without a header, dead writers' temp files."""
+        """Remove what a killed writer left (data without a header, dead writers' temp files)
+        and the directories of older formats."""
+        for old in self.root.glob("v*"):
+            version = old.name[1:]
+            if old.is_dir() and version.isdigit() and int(version) < codec.FORMAT_VERSION:
+                shutil.rmtree(old, ignore_errors=True)
         for path in self.data_root.glob("*/*/*/*"):
             if path.name.startswith(".tmp."):
                 if not _alive(int(path.name.split(".")[2])):

@@ -13,6 +13,7 @@ per token-layer (measured from prefills: prefill seconds / (tokens x layers)).
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -69,12 +70,16 @@ def controlled_ratio(
 
 class LayerLoader:
     """Runs ``load(layer)`` for every layer on a background thread, at most ``depth`` layers
-    ahead of compute (Cache-Craft Algorithm 2, §3.5): layers ``0..depth-1`` load before the
-    first layer runs, and layer ``l + depth`` only once layer ``l`` may run.
+    ahead of compute (Cache-Craft Algorithm 2, §3.5: before layer ``i`` computes, layers
+    ``i .. i + L_p`` are loaded): layers ``0..depth`` may load before the first layer runs,
+    and layer ``l + depth`` while layer ``l`` runs, so even ``depth`` 1 loads layer ``l + 1``
+    behind layer ``l``'s compute.
 
     Use as a context manager; call :meth:`wait` before running each layer.  An error in
     ``load`` is raised from :meth:`wait`.  ``max_lead`` is the most layers ever loaded
-    beyond the one computing (never more than ``depth``).
+    beyond the one computing (never more than ``depth``).  The thread runs in a copy of the
+    creating thread's context, so a request's store counts (``StoreMetrics.track``) see the
+    reads it makes.
     """
 
     def __init__(self, load: Callable[[int], None], num_layers: int, depth: int) -> None:
@@ -87,7 +92,10 @@ class LayerLoader:
         self._error: BaseException | None = None
         self._stop = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="chunkcache-layer-loader")
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="chunkcache-layer-loader"
+        )
 
     def __enter__(self) -> LayerLoader:
         self._thread.start()
@@ -106,17 +114,17 @@ class LayerLoader:
             self._cond.notify_all()
             while self.loaded <= layer and self._error is None:
                 self._cond.wait()
-            if self._error is not None:
+            if self.loaded <= layer and self._error is not None:
                 raise self._error
 
     def _run(self) -> None:
         for layer in range(self.num_layers):
             with self._cond:
-                while layer >= self.computing + self.depth and not self._stop:
+                while layer > self.computing + self.depth and not self._stop:
                     self._cond.wait()
                 if self._stop:
                     return
-                self.max_lead = max(self.max_lead, layer + 1 - self.computing)
+                self.max_lead = max(self.max_lead, layer - self.computing)
             try:
                 self.load(layer)
             except BaseException as error:  # handed to the computing thread

@@ -6,7 +6,16 @@ full its policy picks a victim, which moves one tier down unless a lower tier al
 copy, in which case it is just dropped (RAGCache §5.1, swap out only once, multi-level
 eviction); the last tier drops for good.  Cache-Craft §3.5 keeps frequently reused variants
 high the same way.  A corrupt entry found in any tier is dropped, counted and treated as a
-miss (the engine recomputes it).  Every count is in :meth:`TieredKVStore.metrics`; one
+miss (the engine recomputes it).
+
+Reads: :meth:`TieredKVStore.variants` (the chunks a request places) reads a disk hit lazily:
+only its header at lookup, its layers when the placement reads them, layer ``l + 1`` while
+layer ``l`` computes (:class:`~chunkcache.core.store.lazy.LazyKVVariant`); the whole variant
+is promoted once its last layer is in, and a layer that fails its checksum drops the entry
+then (the engine runs the request again).  ``load_seconds`` is the time spent reading the
+tier, wherever it is spent.  :meth:`exact` (prefix hits, copied before compute starts),
+prefetch and demotion read whole entries; so does the Redis tier always: a round trip per
+layer would cost more than it hides.  Every count is in :meth:`TieredKVStore.metrics`; one
 request's counts come from :meth:`TieredKVStore.track`.
 
 Example::
@@ -18,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,10 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.kv_store import KVVariant, ReuseCount
+from chunkcache.core.store import codec
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey, entry_key, namespace_of
 from chunkcache.core.store.codec import segment_of as segment_hash
 from chunkcache.core.store.cost import PrefillCostModel
+from chunkcache.core.store.lazy import LazyEvents, LazyKVVariant
 from chunkcache.core.store.metrics import StoreMetrics, StoreUsage
 from chunkcache.core.store.policies import EntryStats, PGDSFPolicy, make_policy
 from chunkcache.core.store.tier import Evicted, Loader, Tier, Victim
@@ -104,13 +116,13 @@ class TieredKVStore:
         return None
 
     def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
-        ns, seg = namespace_of(fingerprint), segment_hash(segment_id)
+        ns, seg, fp = namespace_of(fingerprint), segment_hash(segment_id), fingerprint
         self._metrics.store("lookups")
         found: dict[EntryKey, KVVariant] = {}
         for i, tier in enumerate(self.tiers):
             hit = False
             for key in tier.segment_keys(ns, seg):
-                if key not in found and (variant := self._load(i, key, fingerprint)) is not None:
+                if key not in found and (variant := self._load_lazy(i, key, fp)) is not None:
                     found[key] = self._hit(i, key, fingerprint, variant, count=False)
                     hit = True
             if not hit:
@@ -262,19 +274,62 @@ class TieredKVStore:
     def _load(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
         tier = self.tiers[i]
         started = time.perf_counter()
-        try:
-            variant = tier.get(key, fingerprint)
-        except CorruptEntryError as error:
-            log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
-            self._metrics.tier(tier.name, "corrupt_dropped")
-            return None
-        except OSError as error:  # a failing disk is a miss, never a failed request
-            self._io_error(tier, error)
-            return None
+        variant = self._guarded(tier, lambda: tier.get(key, fingerprint))
         if variant is not None and i > 0:
             self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
             self._metrics.tier(tier.name, "bytes_loaded", variant.num_bytes)
         return variant
+
+    def _load_lazy(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        """Tier ``i``'s entry with only its header read, when the tier reads layers on
+        demand (disk); a whole read otherwise."""
+        tier = self.tiers[i]
+        open_lazy = getattr(tier, "open_lazy", None)
+        if i == 0 or open_lazy is None:
+            return self._load(i, key, fingerprint)
+        started = time.perf_counter()
+        opened = self._guarded(tier, lambda: open_lazy(key, fingerprint))
+        if opened is None:
+            return None
+        self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
+        header, layers = opened
+        with self._lock:
+            reuse = self._adopted_reuse(key, codec.reuse_of(header))
+        events = self._lazy_events(i, key, fingerprint)
+        return LazyKVVariant.from_header(header, reuse, layers, tier.name, events)
+
+    def _lazy_events(self, i: int, key: EntryKey, fingerprint: str) -> LazyEvents:
+        """Count a lazy variant's layer reads, promote it when whole, drop it if corrupt."""
+        tier = self.tiers[i]
+
+        def read(seconds: float, num_bytes: int) -> None:
+            self._metrics.tier(tier.name, "load_seconds", seconds)
+            self._metrics.tier(tier.name, "bytes_loaded", num_bytes)
+
+        def complete(variant: KVVariant) -> None:
+            with self._lock:
+                self._promote(i, key, fingerprint, variant)
+
+        def corrupt(error: CorruptEntryError) -> None:
+            self._corrupt(tier, error)
+            with contextlib.suppress(OSError):
+                tier.remove(key)
+
+        return LazyEvents(read, complete, corrupt)
+
+    def _guarded(self, tier: Tier, read: Callable[[], T]) -> T | None:
+        """``read()`` from ``tier``; a corrupt entry or a failing tier is a miss."""
+        try:
+            return read()
+        except CorruptEntryError as error:
+            self._corrupt(tier, error)
+        except OSError as error:  # a failing disk is a miss, never a failed request
+            self._io_error(tier, error)
+        return None
+
+    def _corrupt(self, tier: Tier, error: CorruptEntryError) -> None:
+        log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
+        self._metrics.tier(tier.name, "corrupt_dropped")
 
     def _hit(
         self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, count: bool = True
@@ -284,7 +339,7 @@ class TieredKVStore:
             variant = self._adopt(key, variant)
             if count:
                 self._touch(key, fingerprint, variant, count=True)
-            if i > 0:
+            if i > 0 and not isinstance(variant, LazyKVVariant):  # lazy: once read whole
                 variant = self._promote(i, key, fingerprint, variant)
             self._retouch(key)
         return variant
@@ -419,12 +474,9 @@ class TieredKVStore:
 
     def _adopt(self, key: EntryKey, variant: KVVariant) -> KVVariant:
         """One live reuse counter per entry: a copy loaded from below shares it."""
-        stats = self._stats_of(key)
-        if stats.reuse is variant.reuse:
+        reuse = self._adopted_reuse(key, variant.reuse)
+        if reuse is variant.reuse:
             return variant
-        if stats.reuse.frequency_reuse < variant.reuse.frequency_reuse:
-            stats.reuse.num_reuses = variant.reuse.num_reuses
-            stats.reuse.frequency_reuse = variant.reuse.frequency_reuse
         return KVVariant(
             variant.segment_id,
             variant.context,
@@ -433,8 +485,16 @@ class TieredKVStore:
             variant.k,
             variant.v,
             variant.meta,
-            stats.reuse,
+            reuse,
         )
+
+    def _adopted_reuse(self, key: EntryKey, reuse: ReuseCount) -> ReuseCount:
+        """The entry's live counter, raised to ``reuse`` (a copy's) if that counted more."""
+        stats = self._stats_of(key)
+        if stats.reuse is not reuse and stats.reuse.frequency_reuse < reuse.frequency_reuse:
+            stats.reuse.num_reuses = reuse.num_reuses
+            stats.reuse.frequency_reuse = reuse.frequency_reuse
+        return stats.reuse
 
     def _estimated_cost(self, stats: EntryStats) -> float:
         """Per-token cost of an entry no request measured: from the prefill profile."""
