@@ -7,6 +7,9 @@ used entries (a global sorted set of access ticks) until the tier's bytes fit ag
 number of clients on any number of machines share one bounded tier.  Local policies do not
 apply here: no client sees the other clients' hits.
 
+Reads are whole entries (every layer's checksum verified at once, codec.decode), never
+layer by layer as on disk: a round trip per layer would cost more than it hides.
+
 Redis going away never fails a request: the first connection error logs one warning and
 marks the tier down; every call then misses at once, and after ``retry_after_s`` one call
 probes the server again.
