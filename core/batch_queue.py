@@ -93,6 +93,9 @@ class RequestHandle:
             try:
                 event = self._job.events.get(timeout=1.0)
             except queue.Empty:
+                if self._job.cancelled.is_set():  # from another thread: no more events come
+                    self._ended = True
+                    raise StopIteration from None
                 if not self._scheduler_alive():
                     self._ended = True
                     raise BackendUnavailableError("the batching scheduler stopped") from None

@@ -6,17 +6,23 @@ it.  Admission is bounded: at most ``max_batch + max_queue`` requests are in fli
 more is refused with :class:`QueueFullError` (a 429) before it costs anything.  A backend
 with its own queue (continuous batching) may refuse too, before its first token.  After
 :meth:`Runner.close` new requests get :class:`ShuttingDownError` (a 503).
+
+A request closed before its end (its client left) closes the backend's stream.  A stream with
+a thread-safe ``cancel()`` (the batching backend's) is also cancelled at once from the event
+loop, even while its worker waits for a piece (queued or in prefill): its job then leaves the
+scheduler without waiting for its next token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from chunkcache.core.errors import QueueFullError, ShuttingDownError
 from chunkcache.core.generation import Backend, GenerationChunk, GenerationRequest
-from chunkcache.core.prompting import aiterate, run_stream
+from chunkcache.core.prompting import aiterate
 from chunkcache.core.serve.metrics import ServeMetrics
 
 EMA_WEIGHT = 0.2  # of the newest request in the running mean of request seconds
@@ -84,27 +90,38 @@ class Runner:
         raises here, before any response starts; the returned iterator yields every piece
         (the last carries the stats).  Closing it early closes the backend's stream."""
         ticket = self.admit()
-        pieces = aiterate(run_stream(self.backend, request))
         try:
-            first = await anext(pieces)
+            source = iter(await asyncio.to_thread(self.backend.stream, request))
         except BaseException as error:
-            ticket.release("refused" if isinstance(error, QueueFullError) else "failed")
+            ticket.release(_outcome(error))
+            raise
+        cancel: Callable[[], None] = getattr(source, "cancel", _nothing)
+        pieces = aiterate(source)
+        try:
+            first = await _next_piece(pieces)
+        except BaseException as error:
+            ticket.release(_outcome(error))
+            cancel()
             await pieces.aclose()
             raise
-        return self._rest(ticket, first, pieces)
+        return self._rest(ticket, first, pieces, cancel)
 
     async def _rest(
-        self, ticket: Ticket, first: GenerationChunk, pieces: AsyncGenerator[GenerationChunk]
+        self,
+        ticket: Ticket,
+        first: GenerationChunk,
+        pieces: AsyncGenerator[GenerationChunk],
+        cancel: Callable[[], None],
     ) -> AsyncGenerator[GenerationChunk]:
         """Every piece from ``first`` on.  Closed or dropped before its end, the request
-        counts as cancelled (the ticket's default) and ``pieces`` closes the backend's
-        stream (explicitly here, or by asyncio's async-generator finalizer when this
-        generator never started)."""
+        counts as cancelled (the ticket's default), is cancelled and ``pieces`` closes the
+        backend's stream (explicitly here, or by asyncio's async-generator finalizer when
+        this generator never started)."""
         try:
             piece = first
             while piece.stats is None:
                 yield piece
-                piece = await anext(pieces)
+                piece = await _next_piece(pieces)
             # Counted before the last piece goes out: its consumer may stop right there.
             self._finished(piece.stats.total_s)
             self.metrics.generation(piece.stats)
@@ -115,6 +132,7 @@ class Runner:
             raise
         finally:
             ticket.release()
+            cancel()  # no effect once it ended
             await pieces.aclose()
 
     def _finished(self, seconds: float) -> None:
@@ -125,3 +143,21 @@ class Runner:
         """Refuse new requests from now on (those in flight go on)."""
         with self._lock:
             self.closing = True
+
+
+async def _next_piece(pieces: AsyncGenerator[GenerationChunk]) -> GenerationChunk:
+    piece = await anext(pieces, None)
+    if piece is None:
+        raise RuntimeError("the backend's stream ended without stats")
+    return piece
+
+
+def _outcome(error: BaseException) -> str:
+    """How a request that failed before its first piece counts."""
+    if isinstance(error, QueueFullError):
+        return "refused"
+    return "cancelled" if isinstance(error, asyncio.CancelledError) else "failed"
+
+
+def _nothing() -> None:
+    """The ``cancel`` of a stream that has none: closing it is all there is."""

@@ -21,8 +21,9 @@ from typing import Any
 
 import uvicorn
 
-from chunkcache.core.serve.app import ServeState, create_app
+from chunkcache.core.serve.app import create_app
 from chunkcache.core.serve.settings import ServeSettings
+from chunkcache.core.serve.state import ServeState
 
 log = logging.getLogger("chunkcache.serve")
 

@@ -1,0 +1,113 @@
+"""What the server's routes share, and how a request body becomes an engine request.
+
+:class:`ServeState` holds the backend, the :class:`Runner`, the chunk registry, the settings
+and the metrics; it checks a body against the limits, splits its prompt into text and chunks
+(:func:`~chunkcache.core.prompting.build_request`, as ``ChunkCacheLLM`` does) and gathers the
+live gauges for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.generation import DEFAULT_POLICY, DEFAULT_RECOMPUTE_RATIO, Backend
+from chunkcache.core.generation import GenerationRequest as EngineRequest
+from chunkcache.core.prompting import backend_model_name, build_request
+from chunkcache.core.serve.errors import ServeError
+from chunkcache.core.serve.metrics import ServeMetrics
+from chunkcache.core.serve.runner import Runner
+from chunkcache.core.serve.schemas import GenerationBody
+from chunkcache.core.serve.settings import ServeSettings
+
+
+class ServeState:
+    """What the routes share: backend, runner, chunk registry, settings, metrics."""
+
+    def __init__(
+        self, backend: Backend, settings: ServeSettings, cache: ChunkCache | None, store: Any
+    ) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.model_name = backend_model_name(backend)
+        self.cache = cache if cache is not None else ChunkCache(backend=backend)
+        self.unregistered = ChunkCache(backend=backend)  # matches only a request's own chunks
+        self.store = store
+        self.metrics = ServeMetrics()
+        self.runner = Runner(
+            backend,
+            self.metrics,
+            max_in_flight=settings.max_queue + settings.max_batch,
+            parallel=getattr(backend, "max_batch", 1),
+            retry_after_s=settings.retry_after_s,
+        )
+        self.started = time.time()
+
+    def request_for(self, body: GenerationBody, prompt: str) -> EngineRequest:
+        """The engine request for ``body`` and its prompt text; ServeError when over a limit."""
+        limits = self.settings
+        if body.model != self.model_name:
+            raise ServeError(
+                404,
+                f"model {body.model!r} is not served here; this server runs {self.model_name!r}",
+                code="model_not_found",
+            )
+        if len(prompt) > limits.max_prompt_chars:
+            raise ServeError(
+                400,
+                f"prompt of {len(prompt)} characters is over the limit "
+                f"of {limits.max_prompt_chars}",
+                code="prompt_too_long",
+            )
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is not None and max_tokens > limits.max_tokens_limit:
+            raise ServeError(
+                400,
+                f"max_tokens {max_tokens} is over this server's limit of {limits.max_tokens_limit}",
+                code="max_tokens_too_large",
+            )
+        options = body.chunkcache
+        chunks = [c.pair() for c in options.chunks] if options.chunks is not None else None
+        return build_request(
+            prompt,
+            self.cache if options.match_registered else self.unregistered,
+            chunks=chunks,
+            conversation_id=options.conversation_id,
+            recompute=options.policy or DEFAULT_POLICY,
+            recompute_ratio=(
+                DEFAULT_RECOMPUTE_RATIO
+                if options.recompute_ratio is None
+                else options.recompute_ratio
+            ),
+            max_tokens=max_tokens or min(limits.default_max_tokens, limits.max_tokens_limit),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stops(),
+            seed=body.seed,
+        )
+
+    def gauges(self) -> dict[str, Any]:
+        """Live values for /metrics: in-flight requests, the backend's and store's metrics."""
+        out: dict[str, Any] = {
+            "chunkcache_in_flight_requests": self.runner.in_flight,
+            "chunkcache_registered_chunks": len(self.cache.registry),
+        }
+        metrics = getattr(self.backend, "metrics", None)
+        if callable(metrics):
+            out["chunkcache_engine"] = metrics()
+        if self.store is not None and callable(getattr(self.store, "metrics", None)):
+            out["chunkcache_store"] = self.store.metrics()
+        return out
+
+    def close(self) -> None:
+        """Refuse new work, let the backend finish what it runs, release the store."""
+        self.runner.close()
+        shutdown = getattr(self.backend, "shutdown", None)
+        if callable(shutdown):
+            shutdown(timeout_s=self.settings.shutdown_timeout_s, drain=True)
+        if self.store is not None and callable(getattr(self.store, "close", None)):
+            self.store.close()
+
+
+__all__ = ["ServeState"]
