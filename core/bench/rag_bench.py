@@ -6,7 +6,8 @@ apps of :mod:`.rag_chains` (``plain`` or ``chunkcache`` layout).  Each system ge
 own :class:`ChunkCache` and KV store (vLLM: its own server), so what one computed never
 serves another, and replays every request of the workload through ``chain.invoke``
 exactly as an app would.  Systems run one after another (their KV is freed in between);
-each records the CPU other processes used meanwhile.
+each records the CPU other processes used meanwhile.  After an engine system's replay,
+untimed, :mod:`.rag_quality` scores its logits on a sample of the prompts it was sent.
 """
 
 from __future__ import annotations

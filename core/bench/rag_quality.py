@@ -19,6 +19,12 @@ differs from the run's in three ways: the store also holds variants stored after
 request (its own fresh chunks become exact prefix hits: they were exact then too);
 variants evicted since are computed afresh; and it has no conversation memory, so past
 turns the run read from it come from the store's exact variants or are computed.
+Reused KV keeps its bfloat16 rounding: ``prefix`` (exact reuse only) shows that floor,
+a teacher-forced KL of ~2e-4 on the quick run (``reuse`` in the plain layout: 7e-3).
+
+Cost, quick run (8-token answers, one thread, a busy 2-core machine): 209 s of 1,058 s,
+about 6 s per request for the ``full`` systems (their references, computed first) and
+0.3-2 s per request for the others, which mostly find full's reference cached.
 """
 
 from __future__ import annotations
