@@ -50,9 +50,9 @@ from chunkcache.core.tokenization import SegmentTokenizer
 
 QUALITY_FIELDS = ("first_kl", "first_top1", "tf_kl", "tf_top1")
 NOT_SCORED = {
-    "hf": "n/a: transformers' generate tokenizes the prompt whole, not per segment, and "
-    "exposes no KV to score",
-    "vllm": "n/a: vLLM's OpenAI API returns top-k log-probs only",
+    "hf": "hf generate: transformers' generate tokenizes the prompt whole, not per segment, "
+    "and exposes no KV to score",
+    "vllm": "vLLM: its OpenAI API returns top-k log-probs only",
 }
 # Float32 log-probs along a 32-token answer take ~6 MB; 64 prompts bound the cache.
 MAX_REFERENCES = 64

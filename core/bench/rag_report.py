@@ -142,11 +142,7 @@ def _logit_note(figures: dict[str, Any]) -> str:
         r["logit_quality"] for r in figures.values() if r.get("logit_quality", {}).get("mean")
     ]
     reasons = sorted(
-        {
-            f"`{name.split(' / ')[0]}`: {r['logit_quality']['n/a']}"
-            for name, r in figures.items()
-            if "n/a" in r.get("logit_quality", {})
-        }
+        {r["logit_quality"]["n/a"] for r in figures.values() if "n/a" in r.get("logit_quality", {})}
     )
     if not scored:
         return "KL and top-1 against full: not scored in this run."
@@ -156,6 +152,7 @@ def _logit_note(figures: dict[str, Any]) -> str:
         f"{first['answer_tokens']}-token answer (1st: the first token; TF: teacher-forced, "
         f"mean over the answer), on {len(first['scored_requests'])} seeded requests, scored "
         f"after the timed replay in {first['dtype']} with the system's policy reading its KV "
-        "store as the run left it (cast from bfloat16), without its conversation memory. "
-        + " ".join(f"{reason}." for reason in reasons)
+        "store as the run left it (cast from bfloat16: `prefix`, exact reuse only, shows the "
+        "floor that sets), without its conversation memory."
+        + "".join(f" n/a for {reason}." for reason in reasons)
     )
