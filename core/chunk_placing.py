@@ -109,7 +109,9 @@ def placing(
         yield None
         return
     prefill_s = token_s * num_new
-    depth = preload_depth(num_layers, prefill_s, load_s)
+    # No prefill profile yet (a new store): Eq. 16 would read T_prefill = 0 and preload every
+    # layer, hiding nothing; load one ahead instead (compute waits if a read is late).
+    depth = preload_depth(num_layers, prefill_s, load_s) if prefill_s > 0 else 1
 
     def load(layer: int) -> None:
         place_layers(lm, placed, kv, slice(layer, layer + 1))

@@ -13,7 +13,6 @@ import torch
 from test_store_support import FP, make_variant
 from tiny_models import chunk, random_ids, text, tiny_hf_model, tiny_tokenizer
 
-from chunkcache.core import chunk_placing
 from chunkcache.core.engine import ChunkEngine, Prefilled
 from chunkcache.core.generation import Policy
 from chunkcache.core.models import LoadedModel
@@ -124,10 +123,9 @@ def test_layers_are_read_only_as_compute_reaches_them(
 
     monkeypatch.setattr(LayerFile, "read", logged_read)
     monkeypatch.setattr(LayerLoader, "wait", logged_wait)
-    monkeypatch.setattr(chunk_placing, "preload_depth", lambda *args: 1)
     out = run(lm, host_and_disk(tmp_path), "reuse", piped=True)
 
-    assert out.stats.extra["layer_loading"]["depth"] == 1
+    assert out.stats.extra["layer_loading"]["depth"] == 1  # a new store: no prefill profile
     reads = [layer for kind, layer in events if kind == "read"]
     assert sorted(reads) == sorted(list(range(NUM_LAYERS)) * 2)  # each layer of A and B once
     reached = -1  # the layer compute has reached
