@@ -1,9 +1,11 @@
 """TTFT with every chunk hit in one tier: host, disk, disk prefetched, Redis, no cache.
 
 Seeded 5-chunk RAG prompts whose chunks were all warmed after the system prefix run
-``cacheblend`` at 0.15 with every hit in host memory, on disk, on disk prefetched while
-queued (RAG-DCache §III, Cache-Craft §3.5), in Redis, and with no cache (``full``).  Each
-measurement gets a fresh store, so nothing a run stores serves the next one.
+``cacheblend`` at 0.15 with every hit in host memory, on disk (read layer by layer behind
+compute, the engine's default), on disk read whole before compute (``disk, whole``: the
+engine's ``layer_loading=False``), on disk prefetched while queued (RAG-DCache §III,
+Cache-Craft §3.5), in Redis, and with no cache (``full``).  Each measurement gets a fresh
+store, so nothing a run stores serves the next one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from chunkcache.core.store import MemoryTier, TieredKVStore
 from chunkcache.core.store.disk import DiskTier
 from chunkcache.core.store.redis_server import REDIS_SERVER, redis_server
 
-CONFIGS = ("host", "host+queue", "disk", "disk+prefetch", "redis", "full")
+CONFIGS = ("host", "host+queue", "disk", "disk, whole", "disk+prefetch", "redis", "full")
+DISK = ("disk", "disk, whole", "disk+prefetch")  # an empty host tier over the disk tier
 QUEUED = ("host+queue", "disk+prefetch")  # served right after another request's full prefill
 BIG = 2**40  # a tier that never evicts in this benchmark
 
@@ -92,7 +95,7 @@ class TierSetup:
             for variant in self.variants:
                 store.put(self.fingerprint, variant)
             return store
-        if config in ("disk", "disk+prefetch"):
+        if config in DISK:
             return TieredKVStore([host, DiskTier(self.disk_dir, BIG)])
         if config == "redis":
             from chunkcache.core.store.redis_tier import RedisTier
@@ -108,9 +111,13 @@ def timed_request(
     config: str,
     segments: Sequence[TokenSegment],
     before: Sequence[TokenSegment],
-) -> tuple[float, dict[str, Any], bool]:
-    """TTFT of one request under ``config`` on a fresh store, its metrics, and whether a
-    prefetch (``disk+prefetch`` only) had finished when the request started.
+) -> tuple[float, dict[str, Any], bool, bool]:
+    """TTFT of one request under ``config`` on a fresh store, its metrics, whether a
+    prefetch (``disk+prefetch`` only) had finished when the request started, and whether
+    the request placed its chunks layer by layer behind compute.
+
+    ``disk, whole`` runs the engine with ``layer_loading=False``: every layer of every hit
+    is read (and verified) before compute starts, next to ``disk``'s default pipeline.
 
     ``disk+prefetch`` issues the prefetch when the request is queued, then the engine serves
     the request ahead of it (a full prefill of ``before``) while the chunks move up
@@ -119,6 +126,7 @@ def timed_request(
     caches and the allocator's state)."""
     store = setup.store(config)
     engine.store = store
+    engine.layer_loading = False if config == "disk, whole" else None
     prefetched = False
     if config in QUEUED:
         future = None
@@ -129,12 +137,12 @@ def timed_request(
         prefetched = future is not None and future.done()
     policy: Policy = "full" if config == "full" else "cacheblend"
     started = time.perf_counter()
-    engine.prefill(segments, policy, 0.15)
+    prefilled = engine.prefill(segments, policy, 0.15)
     seconds = time.perf_counter() - started
     store.flush()
     metrics = store.metrics()
     store.close()
-    return seconds, metrics, prefetched
+    return seconds, metrics, prefetched, "layer_loading" in prefilled.stats.extra
 
 
 def ttft_by_tier(
@@ -162,22 +170,26 @@ def ttft_by_tier(
         seconds: dict[str, list[float]] = {c: [] for c in configs}
         totals: dict[str, dict[str, Any]] = {c: {} for c in configs}
         done = {c: 0 for c in configs}
+        piped = {c: 0 for c in configs}
         for round_index in range(rounds):
             for index, segments in enumerate(prompts):
                 turn = (round_index + index) % len(configs)
                 for config in configs[turn:] + configs[:turn]:
                     before = prompts[(index + 1) % len(prompts)]
-                    took, metrics, ready = timed_request(engine, setup, config, segments, before)
+                    took, metrics, ready, layered = timed_request(
+                        engine, setup, config, segments, before
+                    )
                     seconds[config].append(took)
                     _add_metrics(totals[config], metrics)
                     done[config] += ready
+                    piped[config] += layered
                 progress(
                     f"ttft round {round_index + 1} prompt {index + 1}: "
                     + ", ".join(f"{c} {1e3 * seconds[c][-1]:.0f} ms" for c in configs)
                 )
         cpu = meter.share()
     return {
-        "configs": _summaries(seconds, totals, done),
+        "configs": _summaries(seconds, totals, done, piped),
         "cpu": cpu,
         "skipped": skipped,
         "warmed_variants": len(setup.variants),
@@ -194,14 +206,18 @@ def _add_metrics(total: dict[str, Any], metrics: dict[str, Any]) -> None:
 
 
 def _summaries(
-    seconds: dict[str, list[float]], totals: dict[str, dict[str, Any]], done: dict[str, int]
+    seconds: dict[str, list[float]],
+    totals: dict[str, dict[str, Any]],
+    done: dict[str, int],
+    piped: dict[str, int],
 ) -> dict[str, Any]:
     out = {}
     for config, values in seconds.items():
         row: dict[str, Any] = {"ms": summarize([1e3 * s for s in values]), "samples": len(values)}
-        for base in ("host", "full"):
+        for base in ("host", "full", "disk, whole"):
             ratios = [s / b for s, b in zip(values, seconds[base], strict=True)]
-            row[f"ratio_to_{base}"] = statistics.median(ratios)
+            row[f"ratio_to_{base.replace(', ', '_')}"] = statistics.median(ratios)
+        row["pipelined"] = piped[config] / len(values)
         row["store"] = totals[config]
         if config == "disk+prefetch":
             row["prefetch_done_before_start"] = done[config] / len(values)
