@@ -19,7 +19,7 @@ from chunkcache.core.models import LoadedModel
 from chunkcache.core.store import CorruptEntryError, DiskTier, MemoryTier, TieredKVStore, codec
 from chunkcache.core.store.disk import LAYOUT
 from chunkcache.core.store.layer_file import LayerFile
-from chunkcache.core.store.lazy import LazyKVVariant
+from chunkcache.core.store.lazy import LayerReadError, LazyKVVariant
 from chunkcache.core.store.loading import LayerLoader
 
 NUM_LAYERS = 6
@@ -180,6 +180,62 @@ def test_a_corrupt_layer_raises_before_it_is_handed_out(tmp_path: Path) -> None:
         _ = variant.k  # never the unverified bytes
     assert store.metrics()["corrupt_dropped"] == 1
     assert store.variants(FP, "a") == [] and len(store.tiers[0]) == 0  # dropped, not promoted
+
+
+def failing_read(monkeypatch: pytest.MonkeyPatch, bad_layer: int) -> None:
+    """Every :class:`LayerFile` fails (``OSError``) to read layer ``bad_layer``."""
+    read = LayerFile.read
+
+    def failing(self: LayerFile, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer == bad_layer:
+            raise OSError(5, "Input/output error")
+        read(self, layer, k, v)
+
+    monkeypatch.setattr(LayerFile, "read", failing)
+
+
+def test_a_layer_the_disk_fails_to_read_is_an_io_error_not_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TieredKVStore([MemoryTier("host", 10**6), DiskTier(tmp_path, 10**6)])
+    TieredKVStore([DiskTier(tmp_path, 10**6)]).put(FP, make_variant("a", num_tokens=8))
+    failing_read(monkeypatch, 1)
+    (variant,) = store.variants(FP, "a")
+    variant.layers(slice(0, 1))
+    with pytest.raises(LayerReadError, match="layer 1 unreadable") as raised:
+        variant.layers(slice(1, 2))
+    assert isinstance(raised.value, CorruptEntryError)  # the engine reruns the request
+    assert isinstance(raised.value.cause, OSError)
+    with pytest.raises(LayerReadError):
+        _ = variant.k  # never a half-read variant
+    disk = store.metrics()["tiers"]["disk"]
+    assert disk["errors"] == 1 and disk["corrupt_dropped"] == 0
+    assert store.variants(FP, "a") == [] and len(store.tiers[0]) == 0  # dropped, not promoted
+
+
+def test_an_io_error_mid_prefill_reruns_the_request_without_the_entry(
+    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_chunks(lm, tmp_path / "kv", "reuse")
+    shutil.copytree(tmp_path / "kv", tmp_path / "copy")
+    failing_read(monkeypatch, NUM_LAYERS - 2)  # a failing disk: every lazy read of layer 4
+    store = host_and_disk(tmp_path / "kv")
+    out = run(lm, store, "reuse", True)
+
+    disk = out.stats.extra["store"]["tiers"]["disk"]
+    assert disk["errors"] == 1 and "corrupt_dropped" not in disk
+    assert store.metrics()["corrupt_dropped"] == 0
+    # the first entry to fail was dropped; the rerun read the other whole (a lazy read of it
+    # would have failed too)
+    assert (out.stats.chunk_hits, out.stats.chunk_misses) == (1, 1)
+    headers = (h for h in (tmp_path / "kv").rglob("*.json") if not h.name.startswith("."))
+    (dropped,) = {"a", "b"} - {json.loads(h.read_text())["segment_id"] for h in headers}
+    gone = data_file(tmp_path / "copy", dropped)
+    gone.with_suffix(".json").unlink()
+    gone.unlink()
+    monkeypatch.undo()
+    expected = run(lm, host_and_disk(tmp_path / "copy"), "reuse", False)
+    assert torch.equal(out.logits, expected.logits)
 
 
 def test_old_format_entries_are_misses_never_crashes(tmp_path: Path) -> None:

@@ -231,7 +231,7 @@ def test_threads_never_see_wrong_kv_or_exceed_capacity(tmp_path: Path) -> None:
 def test_statistics_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries only a self-evicting tier (Redis) holds, which may be gone without notice,
     do not keep their statistics forever."""
-    import chunkcache.core.store.tiered as tiered
+    import chunkcache.core.store.tiered_stats as tiered_stats
 
     class ForgetfulTier(MemoryTier):  # a tier that evicts on its own, like Redis
         self_evicting = True
@@ -239,7 +239,7 @@ def test_statistics_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         def put(self, *args: object, **kwargs: object) -> bool:
             return True  # accepted, then evicted at once without telling anyone
 
-    monkeypatch.setattr(tiered, "STATS_SLACK", 5)
+    monkeypatch.setattr(tiered_stats, "STATS_SLACK", 5)
     host = MemoryTier("host", 2 * VARIANT_BYTES)
     store = TieredKVStore([host, ForgetfulTier("shared", 10**6)], write_through=False)
     for i in range(40):

@@ -6,9 +6,10 @@ compute (:mod:`chunkcache.core.chunk_placing`), so the placement thread reads la
 from disk while layer ``l`` computes and the disk read hides behind compute, not only the
 copy (Cache-Craft §3.4.2, Algorithm 2).  Each layer's checksum is verified before the layer is
 handed out (:func:`codec.check_layer`), so a flipped byte in layer 20 raises
-:class:`CorruptEntryError` before layer 20 is placed, never after an answer used it; a layer
-the disk fails to read raises it too (the request has no miss to fall back on by then, so
-the engine drops the entry and runs the request again).
+:class:`CorruptEntryError` before layer 20 is placed, never after an answer used it.  A layer
+the disk fails to read (``OSError``) raises :class:`LayerReadError`: the tier's I/O error,
+not corruption, but a ``CorruptEntryError`` all the same, because the request has no miss to
+fall back on by then (the store drops the entry and the engine runs the request again).
 
 Anyone who touches :attr:`k` or :attr:`v` directly (a prefix copy, a non-pipelined placement)
 gets the whole variant: every layer not read yet is read first.  When the last layer is in,
@@ -51,13 +52,26 @@ class LayerSource(Protocol):
     def close(self) -> None: ...
 
 
+class LayerReadError(CorruptEntryError):
+    """A layer the tier failed to read mid-prefill; ``cause`` is the tier's ``OSError``.
+
+    The engine reruns a request on any :class:`CorruptEntryError`; the store counts this one
+    as the tier's I/O error, not as a corrupt entry.
+    """
+
+    def __init__(self, layer: int, cause: OSError) -> None:
+        super().__init__(f"layer {layer} unreadable: {cause}")
+        self.cause = cause
+
+
 @dataclass(frozen=True)
 class LazyEvents:
     """What the store hears from a lazy variant (called on the reading thread)."""
 
     read: Callable[[float, int], None]  # one layer read: seconds, bytes
     complete: Callable[[KVVariant], None]  # every layer read: the whole variant
-    corrupt: Callable[[CorruptEntryError], None]  # a layer failed its checksum
+    # a layer failed its checksum, or its read (a LayerReadError): the entry is unusable
+    failed: Callable[[CorruptEntryError], None]
 
 
 class LazyKVVariant(KVVariant):
@@ -177,20 +191,25 @@ class LazyKVVariant(KVVariant):
             f"layers_read={self.layers_read})"
         )
 
+    def _fail(self, error: CorruptEntryError) -> None:
+        """Every later read raises ``error``; the store drops the entry."""
+        object.__setattr__(self, "_error", error)
+        self._source.close()
+        self._events.failed(error)
+
     def _read_layer(self, layer: int) -> None:
         if self._error is not None:
             raise self._error
         started = time.perf_counter()
         try:
-            try:
-                self._source.read(layer, self._k[layer], self._v[layer])
-            except OSError as failed:  # mid-prefill there is no miss to fall back on
-                raise CorruptEntryError(f"layer {layer} unreadable: {failed}") from failed
+            self._source.read(layer, self._k[layer], self._v[layer])
         except CorruptEntryError as error:
-            object.__setattr__(self, "_error", error)
-            self._source.close()
-            self._events.corrupt(error)
+            self._fail(error)
             raise
+        except OSError as failed:  # mid-prefill there is no miss to fall back on
+            unreadable = LayerReadError(layer, failed)
+            self._fail(unreadable)
+            raise unreadable from failed
         self._read[layer] = True
         self._events.read(time.perf_counter() - started, self.num_bytes // len(self._read))
         if all(self._read):

@@ -1,0 +1,124 @@
+"""How the tiered store moves entries between tiers: insert, promote, demote, drop.
+
+A new variant goes to the fastest tier it fits in.  A hit below is copied up (promotion) and
+the lower copy stays; a tier that must make room asks its policy for a victim, which moves
+one tier down unless a lower tier already holds a copy (RAGCache §5.1: swap out only once,
+multi-level eviction); leaving the last tier drops it for good and tells the drop listeners.
+Write-through copies a new variant to every lower tier (RAG-DCache §III).  A failing tier is
+counted (``errors``) and skipped, never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.store.codec import EntryKey
+from chunkcache.core.store.metrics import StoreMetrics
+from chunkcache.core.store.tier import Evicted, Loader, Tier, Victim
+from chunkcache.core.store.tiered_stats import TieredStats
+
+log = logging.getLogger("chunkcache.core.store.tiered")
+
+
+class TieredMoves(TieredStats):
+    """The moving part of :class:`~chunkcache.core.store.tiered.TieredKVStore`."""
+
+    drop_listeners: list[Callable[[str, str, str], None]]
+    _metrics: StoreMetrics
+    _io_warned: set[str]
+    _lock: threading.RLock
+
+    def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
+        """Copy a new variant to every lower tier, holding the store lock only while a tier
+        makes room: encoding and fsyncing happen unlocked, so requests are not held up."""
+        for i, tier in enumerate(self.tiers[1:], start=1):
+            if key in tier:
+                continue
+            if getattr(tier, "self_evicting", False):  # needs no policy: no lock either
+                tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+                continue
+            prepare = getattr(tier, "prepare", None)
+            try:
+                prepared = prepare(key, fingerprint, variant) if prepare is not None else None
+            except OSError as error:
+                self._io_error(tier, error)
+                continue
+            with self._lock:
+                if prepared is not None:
+                    try:
+                        committed = tier.commit(prepared, *self._callbacks(i, key))  # type: ignore[attr-defined]
+                    except OSError as error:
+                        self._io_error(tier, error)
+                        continue
+                    if committed:
+                        self.policies[i].touched(key, self._stats_of(key))
+                elif prepare is None:
+                    self._insert(i, key, fingerprint, variant, fall_through=False)
+
+    def _promote(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> KVVariant:
+        """Copy up to the fastest tier; the lower copy stays (swap out only once)."""
+        placed = self._insert(0, key, fingerprint, variant, fall_through=False)
+        if placed == 0:
+            self._metrics.tier(self.tiers[i].name, "promotions")
+            return self.tiers[0].get(key, fingerprint) or variant
+        return variant
+
+    def _insert(
+        self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, fall_through: bool = True
+    ) -> int | None:
+        """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in."""
+        for j in range(i, len(self.tiers) if fall_through else i + 1):
+            try:
+                placed = self.tiers[j].put(key, fingerprint, variant, *self._callbacks(j, key))
+            except OSError as error:  # full or failing disk: try the next tier
+                self._io_error(self.tiers[j], error)
+                continue
+            if placed:
+                self.policies[j].touched(key, self._stats_of(key))
+                return j
+        return None
+
+    def _callbacks(self, j: int, key: EntryKey) -> tuple[Victim, Evicted]:
+        """How tier ``j`` makes room for ``key``: its policy's victim, then demotion."""
+        policy = self.policies[j]
+
+        def victim(keys: list[EntryKey]) -> EntryKey:
+            return policy.victim([k for k in keys if k != key], self._stats_of)
+
+        def evicted(out: EntryKey, loader: Loader) -> None:
+            self._evicted(j, out, loader)
+
+        return victim, evicted
+
+    def _evicted(self, i: int, key: EntryKey, loader: Loader) -> None:
+        """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below
+        (swap out only once), else it is gone for good."""
+        self._metrics.tier(self.tiers[i].name, "evictions")
+        self.policies[i].evicted(key, self._stats_of(key))
+        lower = self.tiers[i + 1 :]
+        if any(key in tier for tier in lower):
+            return
+        loaded = loader() if lower else None
+        if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
+            self._metrics.tier(self.tiers[i].name, "demotions")
+        else:
+            self._dropped(key)
+
+    def _dropped(self, key: EntryKey) -> None:
+        """``key`` left the last tier holding it: forget it, tell the listeners."""
+        stats = self.stats.pop(key, None)
+        for policy in self.policies:
+            policy.forget(key)
+        if stats is not None and stats.names is not None:
+            for listener in self.drop_listeners:
+                listener(*stats.names)
+
+    def _io_error(self, tier: Tier, error: OSError) -> None:
+        """Count an I/O failure of ``tier``; the first one is logged as a warning."""
+        self._metrics.tier(tier.name, "errors")
+        level = logging.DEBUG if tier.name in self._io_warned else logging.WARNING
+        self._io_warned.add(tier.name)
+        log.log(level, "the %s tier failed (%s): treated as a miss", tier.name, error)
