@@ -21,7 +21,8 @@ data file; its layers are then read one at a time, each verified against its che
 is read (:class:`~chunkcache.core.store.layer_file.LayerFile`), so a disk hit's read hides
 behind compute (:mod:`chunkcache.core.store.lazy`).  The byte index is rebuilt from the
 directory on open, and again whenever another process changed the directory (``.epoch``),
-so capacity holds across processes.
+so capacity holds across processes (:class:`~chunkcache.core.store.disk_index.DiskIndex`:
+paths, index, locks, sweep; this module: entry IO).
 """
 
 from __future__ import annotations
@@ -29,22 +30,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from filelock import FileLock
-
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 from chunkcache.core.store import codec
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey
+from chunkcache.core.store.disk_index import LAYOUT, DiskIndex
 from chunkcache.core.store.layer_file import LayerFile
 from chunkcache.core.store.tier import Evicted, Victim
 
-LAYOUT = f"v{codec.FORMAT_VERSION}"
+__all__ = ["LAYOUT", "DiskTier", "PreparedWrite"]
 T = TypeVar("T")
 
 
@@ -66,30 +65,21 @@ class DiskTier:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.root = Path(root)
-        self.data_root = self.root / LAYOUT
-        self.data_root.mkdir(parents=True, exist_ok=True)
-        self._flock = FileLock(str(self.root / ".lock"))
-        self._lock = threading.RLock()
-        self._sizes: dict[EntryKey, int] = {}
-        self._bytes = 0
-        self._epoch = ""
-        with self._locked():
-            self._sweep()
-            self._rescan()
+        self._index = DiskIndex(self.root)  # sweeps and scans the directory
+        self.data_root = self._index.data_root
 
     @property
     def num_bytes(self) -> int:
-        return self._bytes
+        return self._index.num_bytes
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._index)
 
     def __contains__(self, key: EntryKey) -> bool:
-        return self._paths(key)[1].exists()
+        return self._index.paths(key)[1].exists()
 
     def entry_keys(self) -> list[EntryKey]:
-        with self._lock:
-            return list(self._sizes)
+        return self._index.keys()
 
     def segment_keys(self, namespace: str, segment: str) -> list[EntryKey]:
         folder = self.data_root / namespace / segment[:2] / segment
@@ -106,7 +96,7 @@ class DiskTier:
     def reuse_of(self, key: EntryKey) -> ReuseCount | None:
         """The reuse counters saved in an entry's header (for a policy that needs them)."""
         try:
-            header = codec.parse_header(self._paths(key)[1].read_bytes())
+            header = codec.parse_header(self._index.paths(key)[1].read_bytes())
             return ReuseCount(int(header["num_reuses"]), float(header["frequency_reuse"]))
         except (OSError, CorruptEntryError, KeyError, TypeError, ValueError):
             return None
@@ -133,7 +123,7 @@ class DiskTier:
         raw = codec.header_bytes(header)
         if len(data) + len(raw) > self.capacity_bytes:
             return None
-        data_path, header_path = self._paths(key)
+        data_path, header_path = self._index.paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
         temps = (_write_temp(data_path, data), _write_temp(header_path, raw))
         return PreparedWrite(key, len(data) + len(raw), temps)
@@ -141,20 +131,19 @@ class DiskTier:
     def commit(self, prepared: PreparedWrite, victim: Victim, evicted: Evicted) -> bool:
         """The quick part of :meth:`put`, under the lock: make room, rename into place."""
         key, size = prepared.key, prepared.size
-        data_path, header_path = self._paths(key)
+        data_path, header_path = self._index.paths(key)
         tmp_data, tmp_header = prepared.temps
         try:
-            with self._locked():
-                self._remove_files(key)
-                while self._sizes and self.num_bytes + size > self.capacity_bytes:
-                    out = victim(list(self._sizes))
+            with self._index.locked():
+                self._index.remove_files(key)
+                while len(self._index) and self.num_bytes + size > self.capacity_bytes:
+                    out = victim(self._index.keys())
                     evicted(out, functools.partial(self._load_quietly, out))
-                    self._remove_files(out)
+                    self._index.remove_files(out)
                 os.replace(tmp_data, data_path)
                 os.replace(tmp_header, header_path)  # the commit
                 _fsync_dir(data_path.parent)
-                self._sizes[key] = size
-                self._bytes += size
+                self._index.added(key, size)
         finally:
             for tmp in (tmp_data, tmp_header):
                 with contextlib.suppress(FileNotFoundError):
@@ -162,22 +151,18 @@ class DiskTier:
         return True
 
     def remove(self, key: EntryKey) -> None:
-        with self._locked():
-            self._remove_files(key)
+        with self._index.locked():
+            self._index.remove_files(key)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _paths(self, key: EntryKey) -> tuple[Path, Path]:
-        folder = self.data_root / key.namespace / key.segment[:2] / key.segment
-        return folder / f"{key.context}.safetensors", folder / f"{key.context}.json"
-
     def _read(self, key: EntryKey, fingerprint: str) -> KVVariant:
-        data_path, header_path = self._paths(key)
+        data_path, header_path = self._index.paths(key)
         header = codec.parse_header(header_path.read_bytes())
         return codec.decode(data_path.read_bytes(), header, fingerprint, key)
 
     def _open(self, key: EntryKey, fingerprint: str) -> tuple[dict[str, Any], LayerFile]:
-        data_path, header_path = self._paths(key)
+        data_path, header_path = self._index.paths(key)
         raw = header_path.read_bytes()
         header = codec.parse_header(raw)
         codec.verify_header(header, fingerprint, key)
@@ -195,71 +180,24 @@ class DiskTier:
         except FileNotFoundError:
             return None  # evicted by another process between lookup and read
         except CorruptEntryError:
-            with self._locked():
+            with self._index.locked():
                 try:
                     return read()
                 except FileNotFoundError:
                     return None
                 except CorruptEntryError:
-                    self._remove_files(key)
+                    self._index.remove_files(key)
                     raise
 
     def _load_quietly(self, key: EntryKey) -> tuple[str, KVVariant] | None:
         """An entry with the fingerprint its header names (the key's namespace binds the two)."""
-        data_path, header_path = self._paths(key)
+        data_path, header_path = self._index.paths(key)
         try:
             header = codec.parse_header(header_path.read_bytes())
             fingerprint = str(header.get("fingerprint"))
             return fingerprint, codec.decode(data_path.read_bytes(), header, fingerprint, key)
         except (OSError, CorruptEntryError):
             return None  # damaged or gone: nothing to demote
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """This thread and process alone in the directory, with an index that is current."""
-        with self._lock, self._flock:
-            if _read_epoch(self.root) != self._epoch:
-                self._rescan()
-            yield
-            self._epoch = _bump_epoch(self.root, self._epoch)
-
-    def _remove_files(self, key: EntryKey) -> None:
-        data_path, header_path = self._paths(key)
-        for path in (header_path, data_path):  # uncommit first
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        self._bytes -= self._sizes.pop(key, 0)
-
-    def _rescan(self) -> None:
-        sizes: dict[EntryKey, int] = {}
-        for header_path in self.data_root.glob("*/*/*/*.json"):
-            if header_path.name.startswith(".tmp."):
-                continue
-            ns, _, seg = header_path.parts[-4:-1]
-            data_path = header_path.with_suffix(".safetensors")
-            try:
-                sizes[EntryKey(ns, seg, header_path.stem)] = (
-                    header_path.stat().st_size + data_path.stat().st_size
-                )
-            except FileNotFoundError:
-                continue  # removed meanwhile, or a header without data: a miss when read
-        self._sizes = sizes
-        self._bytes = sum(sizes.values())
-        self._epoch = _read_epoch(self.root)
-
-    def _sweep(self) -> None:
-        """Remove what a killed writer left (data without a header, dead writers' temp files)
-        and the directories of older formats."""
-        for old in self.root.glob("v*"):
-            version = old.name[1:]
-            if old.is_dir() and version.isdigit() and int(version) < codec.FORMAT_VERSION:
-                shutil.rmtree(old, ignore_errors=True)
-        for path in self.data_root.glob("*/*/*/*"):
-            if path.name.startswith(".tmp."):
-                if not _alive(int(path.name.split(".")[2])):
-                    path.unlink(missing_ok=True)
-            elif path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
-                path.unlink(missing_ok=True)
 
 
 def _write_temp(final: Path, payload: bytes) -> Path:
@@ -277,27 +215,3 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _read_epoch(root: Path) -> str:
-    try:
-        return (root / ".epoch").read_text()
-    except FileNotFoundError:
-        return "0"
-
-
-def _bump_epoch(root: Path, seen: str) -> str:
-    """Another value than any process saw, so every other process rescans."""
-    value = f"{os.getpid()}-{os.urandom(6).hex()}"
-    (root / ".epoch").write_text(value)
-    return value
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
