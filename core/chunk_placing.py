@@ -13,7 +13,8 @@ still on disk: the placement reads each layer (and verifies its checksum) right 
 rotating and copying it, so with layer-wise loading the disk read of layer ``l + 1`` runs in
 the loader thread while layer ``l`` computes.  Such a request is pipelined by default.  A
 layer that fails its checksum raises ``CorruptEntryError`` from the layer's wait, before
-that layer is computed (the engine then runs the request again without the entry).
+that layer is computed, and so does a layer the disk fails to read (``LayerReadError``); the
+engine then runs the request again without the entry.
 
 T_load is this request's measured seconds reading lower tiers (disk, Redis) plus the reads
 still pending (their bytes over the tier's measured bandwidth), and T_prefill the store's

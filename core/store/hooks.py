@@ -9,7 +9,9 @@ The engine (core/engine.py, owned elsewhere) wires these in three places::
 
 and a server with a queue calls :func:`prefetch` when a request is queued.  For layer-wise
 loading (Cache-Craft §3.4.2, Algorithm 2) :func:`preload_depth` gives how many layers to
-load ahead; the loop itself needs per-layer access to a variant's k/v, which the engine owns.
+load ahead and :func:`load_profile` the controller's inputs; the loop itself is
+:mod:`chunkcache.core.chunk_placing`, which reads each layer of a disk hit (a
+:class:`~chunkcache.core.store.lazy.LazyKVVariant`) as it places it, behind compute.
 """
 
 from __future__ import annotations
