@@ -89,6 +89,14 @@ class KVVariant:
         slower tier reads just those layers (:mod:`chunkcache.core.store.lazy`)."""
         return self.k[layers], self.v[layers]
 
+    def with_tensors(self, k: Tensor, v: Tensor, reuse: ReuseCount | None = None) -> KVVariant:
+        """The same variant over ``k`` and ``v`` (e.g. moved to another device), sharing
+        ``reuse`` (default: this variant's counter, so a reuse counted on any copy counts)."""
+        reuse = self.reuse if reuse is None else reuse
+        return KVVariant(
+            self.segment_id, self.context, self.start, self.exact, k, v, self.meta, reuse
+        )
+
 
 class KVStore(Protocol):
     """What the engine needs from a chunk-KV store."""

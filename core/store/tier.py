@@ -126,16 +126,8 @@ class MemoryTier:
     def _on_device(self, variant: KVVariant) -> KVVariant:
         if variant.k.device == self.device:
             return variant
-        return KVVariant(
-            variant.segment_id,
-            variant.context,
-            variant.start,
-            variant.exact,
-            variant.k.to(self.device),
-            variant.v.to(self.device),
-            variant.meta,
-            variant.reuse,  # shared: a reuse counted on any copy counts on all
-        )
+        # the reuse counter is shared: a reuse counted on any copy counts on all
+        return variant.with_tensors(variant.k.to(self.device), variant.v.to(self.device))
 
 
 def _same(entry: tuple[str, KVVariant]) -> tuple[str, KVVariant] | None:

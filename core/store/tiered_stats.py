@@ -84,16 +84,7 @@ class TieredStats:
         reuse = self._adopted_reuse(key, variant.reuse)
         if reuse is variant.reuse:
             return variant
-        return KVVariant(
-            variant.segment_id,
-            variant.context,
-            variant.start,
-            variant.exact,
-            variant.k,
-            variant.v,
-            variant.meta,
-            reuse,
-        )
+        return variant.with_tensors(variant.k, variant.v, reuse)
 
     def _adopted_reuse(self, key: EntryKey, reuse: ReuseCount) -> ReuseCount:
         """The entry's live counter, raised to ``reuse`` (a copy's) if that counted more."""
