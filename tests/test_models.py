@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from chunkcache.core.model_files import DIGEST_CACHE, ModelLoadError
 from chunkcache.core.model_forward import prefill
-from chunkcache.core.models import LoadedModel, load_model, rope_from_config
+from chunkcache.core.models import (
+    ONEDNN_SHAPE_CACHE_ENTRIES,
+    LoadedModel,
+    load_model,
+    rope_from_config,
+)
 
 
 @pytest.fixture
@@ -141,3 +147,14 @@ def test_the_gguf_file_itself_loads_and_equals_its_safetensors_copy() -> None:
     ids = torch.tensor(copy.tokenizer("Paris is the capital of")["input_ids"])
     assert direct.tokenizer("Paris is the capital of")["input_ids"] == ids.tolist()
     torch.testing.assert_close(prefill(direct, ids)[0], prefill(copy, ids)[0], atol=1e-5, rtol=0)
+
+
+def test_loading_caps_onednn_shape_cache_but_keeps_a_users_setting(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    load_model(checkpoint, device="cpu")
+    assert os.environ["LRU_CACHE_CAPACITY"] == ONEDNN_SHAPE_CACHE_ENTRIES
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    load_model(checkpoint, device="cpu")
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
