@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import FrameType
 from typing import Any
 
@@ -55,11 +54,6 @@ def build_backend(settings: ServeSettings, store: Any) -> Any:
 
 def run_server(settings: ServeSettings) -> None:
     """Serve until SIGTERM/SIGINT, then shut down cleanly (see the module docstring)."""
-    # oneDNN caches a primitive per op shape; prompts of ever new lengths grow that cache by
-    # ~3 MB a request without bound (measured: bf16 SmolLM2, 60 prompts of 500-900 tokens,
-    # RSS +180 MB with the default cache, flat without it, same speed).  Set before the
-    # first torch op; an explicit setting wins.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
     from chunkcache.core.store.tiered import TieredKVStore
 
     store = TieredKVStore.from_settings()
