@@ -112,6 +112,7 @@ class LoadedModel:
         cls, hf: Any, tokenizer: Any | None = None, weights: str | None = None
     ) -> LoadedModel:
         """Wrap a model already in memory; ``weights`` defaults to a digest of its tensors."""
+        bound_onednn_shape_cache()
         hf.eval().requires_grad_(False)
         spec = ModelSpec.from_config(hf.config, type(hf).__name__)
         rope = rope_from_config(hf.config, spec.head_dim, next(hf.parameters()).device)
@@ -177,7 +178,6 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    bound_onednn_shape_cache()
     directory, gguf_file = resolve_model_path(path_or_name)
     where = directory / gguf_file if gguf_file else directory
     files: dict[str, Any] = {"gguf_file": gguf_file, "local_files_only": True}
