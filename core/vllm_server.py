@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from chunkcache.core.errors import ChunkCacheError
@@ -175,6 +175,47 @@ def vllm_server(config: VllmServerConfig | None = None) -> Iterator[VllmServer]:
             yield VllmServer(base_url, config.served_name, proc, log)
         finally:
             _stop(proc)
+
+
+class VllmServerSlot:
+    """One running server at a time, started on demand and kept while the config asked
+    for stays the same: a benchmark's systems share it instead of each starting their own.
+    Its prefix cache is emptied on every :meth:`server` call, so no user sees another's."""
+
+    def __init__(self) -> None:
+        self._running = contextlib.ExitStack()
+        self._config: VllmServerConfig | None = None
+        self._server: VllmServer | None = None
+
+    def server(self, config: VllmServerConfig) -> VllmServer:
+        """A server for ``config`` (in dev mode), with an empty prefix cache."""
+        config = replace(config, dev_mode=True)
+        if self._server is None or config != self._config:
+            self.close()
+            self._server = self._running.enter_context(vllm_server(config))
+            self._config = config
+        elif config.prefix_caching:
+            reset_prefix_cache(self._server.base_url)
+        return self._server
+
+    def close(self) -> None:
+        """Stop the running server, if any."""
+        self._running.close()
+        self._server = self._config = None
+
+    def __enter__(self) -> VllmServerSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reset_prefix_cache(base_url: str) -> None:
+    """Empty the server's prefix cache (needs ``VllmServerConfig.dev_mode``)."""
+    import httpx
+
+    response = httpx.post(f"{base_url}/reset_prefix_cache", timeout=60.0)
+    response.raise_for_status()
 
 
 def _wait_healthy(

@@ -3,10 +3,11 @@
 A system is a generator (Hugging Face ``generate``, the engine with one recompute
 policy, or a vLLM server with prefix caching off or on) inside one of the two LangChain
 apps of :mod:`.rag_chains` (``plain`` or ``chunkcache`` layout).  Each system gets its
-own :class:`ChunkCache` and KV store (vLLM: its own server), so what one computed never
-serves another, and replays every request of the workload through ``chain.invoke``
-exactly as an app would.  Systems run one after another (their KV is freed in between);
-each records the CPU other processes used meanwhile.  After an engine system's replay,
+own :class:`ChunkCache` and KV store (vLLM: a server whose prefix cache was emptied,
+restarted only when prefix caching is switched), so what one computed never serves
+another, and replays every request of the workload through ``chain.invoke`` exactly as
+an app would.  Systems run one after another (their KV is freed in between); each
+records the CPU other processes used meanwhile.  After an engine system's replay,
 untimed, :mod:`.rag_quality` scores its logits on a sample of the prompts it was sent.
 """
 
@@ -34,6 +35,7 @@ from chunkcache.core.generation import DEFAULT_RECOMPUTE_RATIO, Backend
 from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
+from chunkcache.core.vllm_server import VllmServerConfig, VllmServerSlot
 
 Generator = Literal["engine", "hf", "vllm"]
 Progress = Callable[[str], None]
@@ -97,16 +99,20 @@ class Record:
 
 
 @contextlib.contextmanager
-def system_backend(system: System, lm: LoadedModel, store_mib: int) -> Iterator[Backend]:
-    """The system's backend; for vLLM, on a throwaway server stopped afterwards."""
+def system_backend(
+    system: System, lm: LoadedModel, store_mib: int, vllm: VllmServerSlot | None = None
+) -> Iterator[Backend]:
+    """The system's backend: for the engine, on a fresh store; for vLLM, on ``vllm``'s
+    server (prefix cache emptied), or on a throwaway server when none is given."""
     if system.generator == "vllm":
-        from chunkcache.core.vllm_server import VllmServerConfig, vllm_server
         from chunkcache.integrations.vllm import VllmBackend
 
         config = VllmServerConfig(
             prefix_caching=system.run.policy == "prefix", threads=os.cpu_count()
         )
-        with vllm_server(config) as server:
+        with contextlib.ExitStack() as owned:
+            slot = vllm if vllm is not None else owned.enter_context(VllmServerSlot())
+            server = slot.server(config)
             backend = VllmBackend(server.base_url, server.model, tokenizer=lm.tokenizer)
             try:
                 yield backend
@@ -145,10 +151,12 @@ def replay(
     progress: Progress | None = None,
     scorer: RagQualityScorer | None = None,
     scored: Sequence[int] = (),
+    vllm: VllmServerSlot | None = None,
 ) -> dict[str, Any]:
     """Run every request of ``workload`` on ``system``: its records and the CPU share;
-    then, untimed, ``scorer``'s quality of the ``scored`` requests (engine systems)."""
-    with system_backend(system, lm, store_mib) as backend:
+    then, untimed, ``scorer``'s quality of the ``scored`` requests (engine systems).
+    A vLLM system runs on ``vllm``'s server when given."""
+    with system_backend(system, lm, store_mib, vllm) as backend:
         recording = RecordingBackend(backend)
         chain = system_chain(system, recording, workload, max_tokens)
         result = replay_chain(system.name, chain, workload, progress)

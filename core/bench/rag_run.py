@@ -23,6 +23,7 @@ from chunkcache.core.bench.rag_workload import (
     user_workload,
 )
 from chunkcache.core.bench.report import environment
+from chunkcache.core.vllm_server import VllmServerSlot, vllm_installed, vllm_venv
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,30 @@ def run_rag_bench(
         "skipped": skipped_systems(),
         "workloads": {},
     }
-    for workload in workloads(config):
-        report["workloads"][workload.name] = run_workload(
-            workload, systems, lm, config, progress, scorer
+    chosen = workloads(config)
+    runs: dict[str, dict[str, Any]] = {workload.name: {} for workload in chosen}
+    # System by system, so a vLLM server starts once for all workloads (and once for
+    # the two prefix-caching systems), not once per workload and system.
+    with VllmServerSlot() as vllm:
+        for system in systems:
+            for workload in chosen:
+                scored = sample_requests(
+                    len(workload.requests), config.quality_requests, config.seed
+                )
+                runs[workload.name][system.name] = replay(
+                    system,
+                    lm,
+                    workload,
+                    config.max_tokens,
+                    store_mib=config.store_mib,
+                    progress=progress,
+                    scorer=scorer,
+                    scored=scored,
+                    vllm=vllm,
+                )
+    for workload in chosen:
+        report["workloads"][workload.name] = workload_figures(
+            workload, systems, runs[workload.name], config
         )
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -117,22 +139,14 @@ def run_rag_bench(
     return report
 
 
-def run_workload(
+def workload_figures(
     workload: Workload,
     systems: list[System],
-    lm: Any,
+    runs: dict[str, dict[str, Any]],
     config: RagBenchConfig,
-    progress: Progress | None,
-    scorer: RagQualityScorer | None = None,
 ) -> dict[str, Any]:
+    """Each system's figures on ``workload`` from its run, against ``full`` in its layout."""
     arrivals = poisson_arrivals(len(workload.requests), config.rate, config.seed)
-    scored = sample_requests(len(workload.requests), config.quality_requests, config.seed)
-    runs = {
-        s.name: replay(
-            s, lm, workload, config.max_tokens, config.store_mib, progress, scorer, scored
-        )
-        for s in systems
-    }
     figures = {}
     for system in systems:
         reference = runs.get(f"full / {system.layout}")
@@ -158,8 +172,6 @@ def run_workload(
 
 def skipped_systems() -> list[str]:
     """Systems of the issue this run cannot include, each with the reason."""
-    from chunkcache.core.vllm_server import vllm_installed, vllm_venv
-
     if vllm_installed():
         return []
     return [

@@ -66,6 +66,7 @@ def run_vllm_bench(
     """Replay every workload through both apps on one vLLM server; write JSON and markdown."""
     from chunkcache.core.vllm_server import (
         VllmServerConfig,
+        reset_prefix_cache,
         vllm_python,
         vllm_server,
         vllm_version,
@@ -110,14 +111,6 @@ def run_vllm_bench(
     (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (config.out / f"{config.name}.md").write_text(markdown(report))
     return report
-
-
-def reset_prefix_cache(base_url: str) -> None:
-    """Empty the server's prefix cache (needs ``VLLM_SERVER_DEV_MODE``)."""
-    import httpx
-
-    response = httpx.post(f"{base_url}/reset_prefix_cache", timeout=60.0)
-    response.raise_for_status()
 
 
 def workload_result(
