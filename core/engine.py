@@ -109,9 +109,10 @@ class ChunkEngine:
     ``craft`` holds the ``cachecraft`` policy's settings (alpha, metadata layers,
     attention sinks, focus window); see the module docstring.  ``layer_loading`` places
     reused chunk KV layer by layer on a background thread ahead of compute: ``None``
-    (default) when this request read entries from a slower tier, ``True`` always,
-    ``False`` never; reads from slower tiers also raise the recompute ratio to what
-    they hide (:mod:`chunkcache.core.store.loading`).
+    (default) when this request read entries from a slower tier and the model is not on
+    the CPU (there the loader would take the compute's cores), ``True`` always, ``False``
+    never; pipelined reads from slower tiers also raise the recompute ratio to what they
+    hide (:mod:`chunkcache.core.store.loading`).
     """
 
     def __init__(

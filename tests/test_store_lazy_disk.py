@@ -13,6 +13,7 @@ import torch
 from test_store_support import FP, make_variant
 from tiny_models import chunk, random_ids, text, tiny_hf_model, tiny_tokenizer
 
+from chunkcache.core.chunk_placing import pipelines_lower_tier_reads
 from chunkcache.core.engine import ChunkEngine, Prefilled
 from chunkcache.core.generation import Policy
 from chunkcache.core.models import LoadedModel
@@ -101,6 +102,24 @@ def test_pipelined_disk_hits_give_the_bits_of_host_hits(
     assert tiers["disk"]["promotions"] == 3 and tiers["disk"]["load_seconds"] > 0
     again = run(lm, disk, policy, piped=True).stats.extra["store"]["tiers"]
     assert again["host"]["hits"] == 4 and "hits" not in again["disk"]  # OTHER was stored
+
+
+def test_on_the_cpu_disk_hits_are_read_whole_by_default(lm: LoadedModel, tmp_path: Path) -> None:
+    write_chunks(lm, tmp_path, "cacheblend")
+    engine = ChunkEngine(lm, host_and_disk(tmp_path))  # layer_loading=None
+    default = engine.prefill(REQUEST, "cacheblend", ratio=0.3)
+    whole = run(lm, host_and_disk(tmp_path), "cacheblend", piped=False)
+
+    assert default.stats.extra["store"]["tiers"]["disk"]["hits"] == 3
+    assert "layer_loading" not in default.stats.extra  # no loader thread, no ratio raised
+    assert default.stats.recomputed_tokens == whole.stats.recomputed_tokens
+    assert torch.equal(default.logits, whole.logits)
+
+
+def test_only_a_model_off_the_cpu_pipelines_lower_tier_reads_by_default() -> None:
+    assert not pipelines_lower_tier_reads(torch.device("cpu"))
+    assert pipelines_lower_tier_reads(torch.device("cuda", 0))
+    assert pipelines_lower_tier_reads(torch.device("mps"))
 
 
 def test_layers_are_read_only_as_compute_reaches_them(

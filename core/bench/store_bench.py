@@ -10,8 +10,8 @@ Two parts, one report (``store.json``, ``store.md``, ``store-hit-rate.png``):
    PGDSF's cost is the model's measured prefill time fitted to ``T = new (a + b (cached +
    new / 2))``.
 2. TTFT.  Seeded 5-chunk RAG prompts whose chunks were all warmed after the system prefix;
-   ``cacheblend`` at 0.15 with every hit in host memory, on disk (layer by layer behind
-   compute, the default), on disk read whole before compute (``disk, whole``), on disk
+   ``cacheblend`` at 0.15 with every hit in host memory, on disk (the default: read whole
+   before compute on a CPU), on disk layer by layer behind compute (``disk, pipelined``), on disk
    prefetched while queued (RAG-DCache §III, Cache-Craft §3.5), in Redis, and no cache
    (``full``).  Each measurement gets a fresh store, so nothing a run stores serves the
    next one.
