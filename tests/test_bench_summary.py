@@ -86,7 +86,7 @@ def test_summary_stamps_reports_and_names_missing_ones(tmp_path: Path) -> None:
     assert text == summary_markdown(tmp_path)
     assert "| [store](store.md) |" in text
     assert "## Where chunkcache wins" in text
-    assert "Not run yet: `retriever`, `engine`, `rag`, `rag-vllm`, `vllm`, `serve`." in text
+    assert "Not run yet: `retriever`, `engine`, `rag`, `vllm`, `serve`." in text
 
 
 @pytest.mark.parametrize(("cached", "verdict"), [(1.8, "win"), (1.2, "loss")])

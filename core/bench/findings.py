@@ -362,7 +362,6 @@ FINDERS: dict[str, Callable[[Report], list[Finding]]] = {
     "engine": engine_findings,
     "store": store_findings,
     "rag": rag_findings,
-    "rag-vllm": rag_findings,
     "vllm": vllm_findings,
     "serve": serve_findings,
 }

@@ -20,7 +20,6 @@ TITLES = {
     "engine": "Engine: recompute policies against full prefill",
     "store": "Tiered store: TTFT by tier, eviction policies",
     "rag": "Whole RAG requests: every system side by side",
-    "rag-vllm": "Whole RAG requests: the engine's default against vLLM, side by side",
     "vllm": "vLLM's prefix cache: chunkcache's layout vs plain LangChain",
     "serve": "chunkcache serve under load",
 }
