@@ -11,7 +11,7 @@ import pytest
 from tiny_models import tiny_lm
 
 from chunkcache.core.bench.hf_backend import HFGenerateBackend
-from chunkcache.core.bench.rag_metrics import fifo_queue, poisson_arrivals
+from chunkcache.core.bench.rag_metrics import fifo_queue, poisson_arrivals, tier_hit_rates
 from chunkcache.core.bench.rag_quality import (
     RagQualityScorer,
     RecordingBackend,
@@ -45,6 +45,16 @@ def test_fifo_queue_makes_late_requests_wait_for_the_busy_server() -> None:
     idle = fifo_queue([0.0, 10.0], [1.0, 1.0])
     assert idle["latency_s"]["p99"] == pytest.approx(1.0)
     assert idle["utilisation"] == pytest.approx(2 / 11)
+
+
+def test_tier_hit_rates_are_each_tiers_share_of_the_store_lookups() -> None:
+    def stats(lookups: int, **tiers: int) -> dict[str, Any]:
+        counts = {name: {"hits": hits} for name, hits in tiers.items()}
+        return {"extra": {"store": {"lookups": lookups, "tiers": counts}}}
+
+    requests = [stats(4, host=2), stats(6, host=1, disk=3), {"extra": {}}]
+    assert tier_hit_rates(requests) == {"host": 0.3, "disk": 0.3}
+    assert tier_hit_rates([{"extra": {"store": {"tiers": {}}}}]) == {}  # nothing looked up
 
 
 def test_hf_baseline_answers_like_the_engine_with_full_prefill() -> None:
@@ -134,6 +144,11 @@ def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> Non
         assert corpus[name]["computed_share"] == pytest.approx(1.0)
         assert corpus[name]["reused_share"] == 0.0
     assert corpus["full / plain"]["rouge_l_vs_full"] == pytest.approx(1.0)
+    # the engine's store is tiered: the host tier serves every hit of this small run
+    assert corpus["reuse / chunkcache"]["tier_hit_rates"]["host"] > 0.0
+    assert corpus["reuse / chunkcache"]["tier_hit_rates"].get("disk", 0.0) == 0.0
+    assert corpus["full / plain"]["tier_hit_rates"] == {}  # full looks nothing up
+    assert corpus["hf generate / plain"]["tier_hit_rates"] == {}
     # Turn 2 of a conversation extends turn 1's prompt in chunkcache's layout only.
     assert corpus["prefix / chunkcache"]["reused_share"] > 0.2
     assert (
@@ -158,4 +173,5 @@ def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> Non
     text = (tmp_path / "smoke.md").read_text()
     assert "## corpus:" in text and "## gold:" in text and "vLLM" in text
     assert "| TF KL | TF top-1 |" in text and "seeded requests" in text
+    assert "| store hits by tier |" in text and " | host " in text
     assert len(list(tmp_path.glob("smoke-*.png"))) == 6

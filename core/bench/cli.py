@@ -132,7 +132,9 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument(
         "--system", action="append", help="run only these (a system or policy name; repeat)"
     )
-    rag.add_argument("--store-mib", type=int, default=512, help="KV store size per system")
+    rag.add_argument(
+        "--store-mib", type=int, default=512, help="host tier of the KV store, per system"
+    )
     rag.add_argument("--corpus-dir", type=Path, help="your corpus: a folder of text files")
     rag.add_argument("--chroma", nargs=2, metavar=("DIR", "COLLECTION"), help="or Chroma")
     rag.add_argument("--questions", type=Path, help="your questions (text or JSON lines)")

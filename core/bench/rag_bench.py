@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,15 +33,17 @@ from chunkcache.core.bench.report import CpuMeter
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.generation import DEFAULT_RECOMPUTE_RATIO, Backend
-from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
+from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore
 from chunkcache.core.vllm_server import VllmServerConfig, VllmServerSlot
 
 Generator = Literal["engine", "hf", "vllm"]
 Progress = Callable[[str], None]
-# Each engine system keeps a bounded store and few conversations: 15 systems share 24 GiB.
+# Each engine system keeps a bounded host tier and few conversations: 15 systems share
+# 24 GiB.  What the host tier evicts moves to a disk tier of its own (a temporary folder).
 DEFAULT_STORE_MIB = 512
+DISK_MIB = 4096
 MAX_CONVERSATIONS = 8
 
 
@@ -102,8 +105,9 @@ class Record:
 def system_backend(
     system: System, lm: LoadedModel, store_mib: int, vllm: VllmServerSlot | None = None
 ) -> Iterator[Backend]:
-    """The system's backend: for the engine, on a fresh store; for vLLM, on ``vllm``'s
-    server (prefix cache emptied), or on a throwaway server when none is given."""
+    """The system's backend: for the engine, on a fresh tiered store (host over disk); for
+    vLLM, on ``vllm``'s server (prefix cache emptied), or on a throwaway server when none
+    is given."""
     if system.generator == "vllm":
         from chunkcache.integrations.vllm import VllmBackend
 
@@ -121,8 +125,14 @@ def system_backend(
     elif system.generator == "hf":
         yield HFGenerateBackend(lm)
     else:
-        store = MemoryKVStore(capacity_bytes=store_mib * 2**20)
-        yield LocalBackend(ChunkEngine(lm, store, max_conversations=MAX_CONVERSATIONS))
+        with tempfile.TemporaryDirectory(prefix="chunkcache-bench-") as folder:
+            store = TieredKVStore(
+                [MemoryTier("host", store_mib * 2**20), DiskTier(folder, DISK_MIB * 2**20)]
+            )
+            try:
+                yield LocalBackend(ChunkEngine(lm, store, max_conversations=MAX_CONVERSATIONS))
+            finally:
+                store.close()
 
 
 def system_chain(

@@ -67,6 +67,7 @@ def system_figures(
         / max(prompt, 1),
         "reused_share": sum(s["reused_tokens"] for s in stats) / max(prompt, 1),
         "chunk_hit_rate": _hit_rate(stats),
+        "tier_hit_rates": tier_hit_rates(stats),
         "craft_prefix": prefix_metric([r.chunk_ids for r in records if r.chunk_ids]),
         "craft_total": total_metric([r.chunk_ids for r in records if r.chunk_ids]),
     }
@@ -86,6 +87,19 @@ def _hit_rate(stats: Sequence[dict[str, Any]]) -> float | None:
     hits = sum(s["chunk_hits"] for s in stats)
     looked_up = hits + sum(s["chunk_misses"] for s in stats)
     return hits / looked_up if looked_up else None
+
+
+def tier_hit_rates(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per tier, the share of the store's lookups it served (the engine's KV store, every
+    segment looked up); empty for a system without a tiered store."""
+    lookups = 0
+    hits: dict[str, int] = {}
+    for s in stats:
+        store = s.get("extra", {}).get("store", {})
+        lookups += store.get("lookups", 0)
+        for tier, counts in store.get("tiers", {}).items():
+            hits[tier] = hits.get(tier, 0) + counts.get("hits", 0)
+    return {tier: count / lookups for tier, count in hits.items()} if lookups else {}
 
 
 def _words(text: str) -> list[str]:

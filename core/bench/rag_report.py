@@ -90,9 +90,12 @@ def markdown(report: dict[str, Any]) -> str:
         "recompute policy. `plain`: the retriever's order, "
         "this turn's context in the system message; `chunkcache`: ChunkCacheRetriever order "
         "(tree) and dedupe (drop), chunks kept in their turn's message. Every system has its "
-        "own cache and store and replays every request through the LangChain chain; systems "
-        "run one after another. Queue: a FIFO simulation over the measured end-to-end times "
-        "with the same seeded arrivals for every system.",
+        "own cache and store (the engine's: a host tier of "
+        f"{config['store_mib']} MiB over a disk tier; store hits by tier: the share of the "
+        "store's lookups each tier served, every prompt segment looked up) and replays every "
+        "request through the LangChain chain; systems run one after another. Queue: a FIFO "
+        "simulation over the measured end-to-end times with the same seeded arrivals for "
+        "every system.",
     ]
     for workload, result in report["workloads"].items():
         lines += _workload_section(workload, result, report.get("plots", {}).get(workload, []))
@@ -108,9 +111,9 @@ def _workload_section(workload: str, result: dict[str, Any], plots: list[str]) -
         f"## {workload}: {result['description']}",
         "",
         f"| system | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | queue p99 s | throughput/s | "
-        f"computed | chunk hits | Prefix | Total | {quality_label} | 1st KL | 1st top-1 | "
-        "TF KL | TF top-1 | other CPU |",
-        "| --- |" + " ---: |" * 15,
+        f"computed | chunk hits | store hits by tier | Prefix | Total | {quality_label} | "
+        "1st KL | 1st top-1 | TF KL | TF top-1 | other CPU |",
+        "| --- |" + " ---: |" * 6 + " --- |" + " ---: |" * 9,
     ]
     for system, row in figures.items():
         quality = _quality(row)[1]
@@ -119,12 +122,19 @@ def _workload_section(workload: str, result: dict[str, Any], plots: list[str]) -
             f"| {system} | {1e3 * row['ttft_s']['median']:.0f} | {1e3 * row['ttft_s']['p99']:.0f}"
             f" | {1e3 * row['e2e_s']['median']:.0f} | {row['queue']['latency_s']['p99']:.1f} | "
             f"{row['queue']['throughput_rps']:.2f} | {row['computed_share']:.0%} | "
-            f"{'-' if hits is None else f'{hits:.0%}'} | {row['craft_prefix']:.2f} | "
+            f"{'-' if hits is None else f'{hits:.0%}'} | {_tier_cell(row)} | "
+            f"{row['craft_prefix']:.2f} | "
             f"{row['craft_total']:.2f} | {'-' if quality is None else f'{quality:.3f}'} | "
             f"{_logit_cells(row)} | {row['cpu']['other_cores']:.2f} |"
         )
     lines += ["", _logit_note(figures), "", *(f"![{name}]({name})" for name in plots)]
     return lines
+
+
+def _tier_cell(row: dict[str, Any]) -> str:
+    """``host 40%, disk 5%``: the share of store lookups each tier served, or ``-``."""
+    rates = row.get("tier_hit_rates") or {}
+    return ", ".join(f"{tier} {rate:.0%}" for tier, rate in rates.items()) or "-"
 
 
 def _logit_cells(row: dict[str, Any]) -> str:
