@@ -91,7 +91,7 @@ def pipelines_lower_tier_reads(device: torch.device) -> bool:
 
     On a CPU the loader thread's reads, checksums, rotations and copies take the cores the
     compute needs, so overlapping them hides nothing: the store benchmark measured the
-    pipelined disk hit at 1.28x the TTFT of reading it whole first on a 2-core host
+    pipelined disk hit at about 1.3x the TTFT of reading it whole first on a 2-core host
     (docs/benchmarks/store.md).  Beside a GPU the same work runs on otherwise idle cores.
     """
     return device.type != "cpu"
