@@ -113,7 +113,7 @@ def _workload_section(workload: str, result: dict[str, Any], plots: list[str]) -
         f"| system | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | queue p99 s | throughput/s | "
         f"computed | chunk hits | store hits by tier | Prefix | Total | {quality_label} | "
         "1st KL | 1st top-1 | TF KL | TF top-1 | other CPU |",
-        "| --- |" + " ---: |" * 6 + " --- |" + " ---: |" * 9,
+        "| --- |" + " ---: |" * 7 + " --- |" + " ---: |" * 8,
     ]
     for system, row in figures.items():
         quality = _quality(row)[1]
