@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 # CPU-second, so 1000 chunks take under a minute on 2 cores; taken topic by topic
 # they keep all ~157 topics and at most ~19 chunks of the biggest (distutils, asyncio).
 DEFAULT_MAX_CHUNKS = 1000
+DEFAULT_CHUNK_CHARS = 1000
 MIN_CHUNK_CHARS = 200
 MIN_DOC_CHARS = 80
 # Not prose worth retrieving (tests, GUI, generated codecs) or not importable by name.
@@ -75,7 +76,7 @@ class CorpusChunk:
 
 
 def load_corpus(
-    chunk_chars: int = 1000, max_chunks: int | None = DEFAULT_MAX_CHUNKS
+    chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int | None = DEFAULT_MAX_CHUNKS
 ) -> list[CorpusChunk]:
     """The stdlib docstring corpus in chunks of at most ``chunk_chars`` characters.
 
@@ -110,14 +111,14 @@ def corpus_digest(chunks: Sequence[CorpusChunk]) -> str:
     return digest.hexdigest()
 
 
-def corpus_cache_path(chunk_chars: int = 1000) -> Path:
+def corpus_cache_path(chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Path:
     """Where the extracted corpus for this Python and ``chunk_chars`` is cached."""
     version = ".".join(map(str, sys.version_info[:3]))
     name = f"stdlib-py{version}-v{FORMAT_VERSION}-c{chunk_chars}.jsonl"
     return home_subdir("corpus") / name
 
 
-def extract_corpus(chunk_chars: int = 1000) -> list[CorpusChunk]:
+def extract_corpus(chunk_chars: int = DEFAULT_CHUNK_CHARS) -> list[CorpusChunk]:
     """Extract every chunk from the stdlib sources, in sorted path order (no cache)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: dict[str, CorpusChunk] = {}

@@ -128,6 +128,25 @@ def test_quality_sample_is_seeded_ordered_and_all_when_small() -> None:
 
 
 @pytest.mark.slow
+def test_corpus_chunk_size_is_configurable() -> None:
+    from chunkcache.core.bench.rag_workload import corpus_workload
+
+    workload = corpus_workload(2, 1, 1, k=4, seed=0, chunk_chars=500)  # a new index: ~1 min
+    assert "at most 500 characters" in workload.description
+    documents = workload.retriever().invoke(workload.requests[0].question)
+    assert len(documents) == 4
+    assert all(len(d.page_content) <= 500 for d in documents)
+    assert any(len(d.page_content) > 500 for d in corpus_docs(workload.requests[0].question))
+
+
+def corpus_docs(question: str) -> list[Any]:
+    """The default workload's chunks for ``question`` (1000 characters at most)."""
+    from chunkcache.core.bench.rag_workload import corpus_workload
+
+    return corpus_workload(1, 1, 1, k=4, seed=0).retriever().invoke(question)
+
+
+@pytest.mark.slow
 def test_quick_run_reports_every_system_on_both_workloads(tmp_path: Path) -> None:
     from chunkcache.core.bench.rag_run import RagBenchConfig, quick, run_rag_bench
     from chunkcache.core.vllm_server import vllm_installed

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS
+
 
 def _engine(args: argparse.Namespace) -> None:
     from chunkcache.core.bench.engine_bench import PARTS, EngineBenchConfig, run_engine_bench
@@ -35,6 +37,7 @@ def _rag(args: argparse.Namespace) -> None:
         max_turns=1 if args.single_turn else args.max_turns,
         gold_questions=args.gold_questions,
         k=args.k,
+        chunk_chars=args.chunk_chars,
         max_tokens=args.max_tokens,
         rate=args.rate,
         seed=args.seed,
@@ -126,6 +129,12 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument("--single-turn", action="store_true", help="one turn per conversation")
     rag.add_argument("--gold-questions", type=int, default=48, help="0: no gold workload")
     rag.add_argument("--k", type=int, default=5, help="chunks per request")
+    rag.add_argument(
+        "--chunk-chars",
+        type=int,
+        default=DEFAULT_CHUNK_CHARS,
+        help="chunk size of the bundled corpus or --corpus-dir, in characters",
+    )
     rag.add_argument("--max-tokens", type=int, default=32, help="answer tokens")
     rag.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
     rag.add_argument("--seed", type=int, default=0)

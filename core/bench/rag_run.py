@@ -23,6 +23,7 @@ from chunkcache.core.bench.rag_workload import (
     user_workload,
 )
 from chunkcache.core.bench.report import environment
+from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS
 from chunkcache.core.vllm_server import VllmServerSlot, vllm_installed, vllm_venv
 
 
@@ -35,6 +36,7 @@ class RagWorkloadSizes:
     max_turns: int = 5
     gold_questions: int = 48
     k: int = 5
+    chunk_chars: int = DEFAULT_CHUNK_CHARS  # the bundled corpus's or a corpus folder's
     max_tokens: int = 32
     rate: float = 0.5  # Poisson arrivals per second, for the throughput simulation
     seed: int = 0
@@ -71,12 +73,19 @@ def quick(config: RagBenchConfig) -> RagBenchConfig:
 def workloads(config: RagBenchConfig) -> list[Workload]:
     """The user's corpus if given, else the bundled corpus; and the gold workload."""
     if config.questions is not None:
-        main = user_workload(config.questions, config.k, config.corpus_dir, config.chroma)
+        main = user_workload(
+            config.questions, config.k, config.corpus_dir, config.chroma, config.chunk_chars
+        )
     elif config.corpus_dir is not None or config.chroma is not None:
         raise ValueError("a corpus of your own needs a questions file (--questions)")
     else:
         main = corpus_workload(
-            config.conversations, config.min_turns, config.max_turns, config.k, config.seed
+            config.conversations,
+            config.min_turns,
+            config.max_turns,
+            config.k,
+            config.seed,
+            config.chunk_chars,
         )
     gold = [gold_workload(config.gold_questions, config.k, config.seed)]
     return [main, *(gold if config.gold_questions > 0 else [])]

@@ -21,7 +21,7 @@ from langchain_core.retrievers import BaseRetriever
 
 from chunkcache.core.bench.gold import GoldConfig, make_gold_workload, prompt_chunks
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY
-from chunkcache.core.corpus import CorpusChunk, load_corpus
+from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, CorpusChunk, load_corpus
 from chunkcache.core.workload import WorkloadConfig, multi_turn_trace
 
 
@@ -63,22 +63,30 @@ class GivenChunks(BaseRetriever):
 
 
 def corpus_workload(
-    conversations: int, min_turns: int, max_turns: int, k: int, seed: int
+    conversations: int,
+    min_turns: int,
+    max_turns: int,
+    k: int,
+    seed: int,
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
 ) -> Workload:
-    """The bundled corpus, multi-turn (or single-turn with one turn each)."""
-    from chunkcache.integrations.indexes import langchain_corpus_retriever
+    """The bundled corpus in chunks of at most ``chunk_chars`` characters, multi-turn (or
+    single-turn with one turn each)."""
+    from chunkcache.integrations.indexes import langchain_chunks_retriever
 
     config = WorkloadConfig(
         num_conversations=conversations, min_turns=min_turns, max_turns=max_turns, seed=seed
     )
-    turns = multi_turn_trace(load_corpus(), config)
+    chunks = load_corpus(chunk_chars)
+    turns = multi_turn_trace(chunks, config)
     requests = [BenchRequest(t.conversation_id, t.question) for t in turns]
     mode = "single-turn" if max_turns == 1 else f"{min_turns}-{max_turns} turns"
     return Workload(
         "corpus",
         requests,
-        lambda: langchain_corpus_retriever("chroma", k=k),
-        f"bundled corpus, {conversations} conversations ({mode}), Zipf topics, k={k}",
+        lambda: langchain_chunks_retriever(chunks, k=k),
+        f"bundled corpus, {conversations} conversations ({mode}), Zipf topics, k={k}, "
+        f"chunks of at most {chunk_chars} characters",
     )
 
 
@@ -102,6 +110,7 @@ def user_workload(
     k: int,
     corpus_dir: Path | None = None,
     chroma: Sequence[str] | None = None,
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
 ) -> Workload:
     """A user's corpus (a folder, or ``chroma = (persist_dir, collection)``) and questions."""
     from chunkcache.core.bench.user_corpus import (
@@ -114,7 +123,7 @@ def user_workload(
     if (corpus_dir is None) == (chroma is None):
         raise ValueError("give exactly one of a corpus folder and a Chroma collection")
     if corpus_dir is not None:
-        chunks, source = load_text_folder(corpus_dir), str(corpus_dir)
+        chunks, source = load_text_folder(corpus_dir, chunk_chars), str(corpus_dir)
     else:
         assert chroma is not None
         chunks, source = load_chroma_corpus(chroma[0], chroma[1]), f"Chroma {chroma[1]}"

@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
-from chunkcache.core.corpus import MIN_CHUNK_CHARS, CorpusChunk, split_section
+from chunkcache.core.corpus import (
+    DEFAULT_CHUNK_CHARS,
+    MIN_CHUNK_CHARS,
+    CorpusChunk,
+    split_section,
+)
 from chunkcache.core.errors import ChunkCacheError, InvalidChunkError
 
 TEXT_SUFFIXES = frozenset({".txt", ".md"})
@@ -57,7 +62,9 @@ class UserQuestion:
     kind: str = "user"
 
 
-def load_text_folder(folder: str | os.PathLike[str], chunk_chars: int = 1000) -> list[CorpusChunk]:
+def load_text_folder(
+    folder: str | os.PathLike[str], chunk_chars: int = DEFAULT_CHUNK_CHARS
+) -> list[CorpusChunk]:
     """Chunks of every ``.txt``/``.md`` file under ``folder``, in sorted path order.
 
     Hidden files and folders are skipped, empty files too (with a warning); a file
