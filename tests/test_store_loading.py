@@ -63,6 +63,16 @@ def test_store_measures_tier_bandwidth(tmp_path: Path) -> None:
     )
 
 
+def test_a_header_only_read_gives_no_bandwidth(tmp_path: Path) -> None:
+    # Opening a disk entry lazily reads its header: time but no layer bytes yet.  The
+    # controller divides by the bandwidth, so such a tier must stay unmeasured, not 0.
+    store = TieredKVStore([MemoryTier("host", 10**6), DiskTier(tmp_path, 10**7)])
+    TieredKVStore([DiskTier(tmp_path, 10**7)]).put(FP, make_variant("a", num_tokens=64))
+    (variant,) = store.variants(FP, "a")
+    assert variant.tier == "disk" and store.metrics()["tiers"]["disk"]["bytes_loaded"] == 0
+    assert store.load_bandwidth() == {}
+
+
 @pytest.mark.parametrize("depth", [1, 3, 8])
 def test_layer_loader_stays_within_its_depth(depth: int) -> None:
     num_layers, order = 8, []

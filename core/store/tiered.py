@@ -197,13 +197,14 @@ class TieredKVStore(TieredReads):
         return out
 
     def load_bandwidth(self) -> dict[str, float]:
-        """Measured bytes per second loaded from each lower tier (tiers never read from are
-        left out): the CacheBlend loading controller's T_load estimator (§5.1)."""
+        """Measured bytes per second loaded from each lower tier: the CacheBlend loading
+        controller's T_load estimator (§5.1).  Tiers no layer bytes were read from yet (never
+        read, or only lazy headers opened) are left out, never given a bandwidth of 0."""
         tiers = self._metrics.snapshot()["tiers"]
         return {
             name: counts["bytes_loaded"] / counts["load_seconds"]
             for name, counts in tiers.items()
-            if counts["load_seconds"] > 0
+            if counts["load_seconds"] > 0 and counts["bytes_loaded"] > 0
         }
 
     def snapshot(self) -> dict[str, Any]:
