@@ -116,6 +116,21 @@ def test_on_the_cpu_disk_hits_are_read_whole_by_default(lm: LoadedModel, tmp_pat
     assert torch.equal(default.logits, whole.logits)
 
 
+def test_a_request_whose_only_disk_reads_are_lazy_runs(lm: LoadedModel, tmp_path: Path) -> None:
+    # Another system prompt: nothing is read whole from disk (no prefix hit), A and B are
+    # opened lazily, so the disk tier has time but no bytes yet when the request is planned.
+    # Its bandwidth was then 0 and the loading controller divided by it (seen in CI).
+    write_chunks(lm, tmp_path, "cacheblend")
+    request = [OTHER, B, A, QUESTION]
+    default = ChunkEngine(lm, host_and_disk(tmp_path)).prefill(request, "cacheblend", ratio=0.3)
+    piped = ChunkEngine(lm, host_and_disk(tmp_path), layer_loading=True)
+    pipelined = piped.prefill(request, "cacheblend", ratio=0.3)
+
+    for done in (default, pipelined):
+        assert done.stats.extra["store"]["tiers"]["disk"]["hits"] == 2  # A and B, lazily
+    assert torch.equal(default.logits, pipelined.logits)
+
+
 def test_only_a_model_off_the_cpu_pipelines_lower_tier_reads_by_default() -> None:
     assert not pipelines_lower_tier_reads(torch.device("cpu"))
     assert pipelines_lower_tier_reads(torch.device("cuda", 0))
