@@ -14,6 +14,7 @@ from tiny_models import chunk, random_ids, text, tiny_lm
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore
+from chunkcache.core.store.lazy import LazyKVVariant
 from chunkcache.core.store.loading import (
     LayerLoader,
     cheapest_hiding_tier,
@@ -69,7 +70,8 @@ def test_a_header_only_read_gives_no_bandwidth(tmp_path: Path) -> None:
     store = TieredKVStore([MemoryTier("host", 10**6), DiskTier(tmp_path, 10**7)])
     TieredKVStore([DiskTier(tmp_path, 10**7)]).put(FP, make_variant("a", num_tokens=64))
     (variant,) = store.variants(FP, "a")
-    assert variant.tier == "disk" and store.metrics()["tiers"]["disk"]["bytes_loaded"] == 0
+    assert isinstance(variant, LazyKVVariant) and variant.tier == "disk"
+    assert store.metrics()["tiers"]["disk"]["bytes_loaded"] == 0
     assert store.load_bandwidth() == {}
 
 
