@@ -7,7 +7,7 @@ merged sequence. With every row chosen it is an ordinary prefill layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from chunkcache.kernels.attention import (
     causal_blocks,
     causal_mask,
     tail_attention,
+    uses_matmul_attention,
 )
 from chunkcache.kernels.rope import Rope, apply_rope
 
@@ -33,7 +34,10 @@ class Rows:
     cos: Tensor  # [N, D] float32
     sin: Tensor  # [N, D] float32
     mask: Tensor | None  # [N, S] bool; None when the rows are all S slots (plain causal)
-    blocks: tuple[RowBlock, ...]  # the rows split for attention; () when ``mask`` is None
+    # the rows split for attention, by number of query heads; built on first use
+    _blocks: dict[int, tuple[RowBlock, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def build(cls, index: Tensor, num_slots: int, rope: Rope) -> Rows:
@@ -42,12 +46,7 @@ class Rows:
         if index.numel() == 0 or index[-1] >= num_slots or bool((index[1:] <= index[:-1]).any()):
             raise ValueError(f"rows must be increasing slots in [0, {num_slots}), got {index}")
         cos, sin = rope.cos_sin(index)  # cos, sin: [N, D]
-        return cls._with_mask(index, cos, sin, cls._mask(index, num_slots))
-
-    @classmethod
-    def _with_mask(cls, index: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Rows:
-        blocks = causal_blocks(index, mask) if mask is not None else ()
-        return cls(index, cos, sin, mask, blocks)
+        return cls(index, cos, sin, cls._mask(index, num_slots))
 
     @staticmethod
     def _mask(index: Tensor, num_slots: int) -> Tensor | None:
@@ -71,17 +70,25 @@ class Rows:
         # keep: [M] long
         index = self.index[keep]  # index: [M]
         mask = self._mask(index, self.num_slots) if self.mask is None else self.mask[keep]
-        return Rows._with_mask(index, self.cos[keep], self.sin[keep], mask)
+        return Rows(index, self.cos[keep], self.sin[keep], mask)
+
+    def blocks(self, heads: int) -> tuple[RowBlock, ...]:
+        """These rows split for :func:`blocked_attention` with ``heads`` query heads."""
+        if heads not in self._blocks:
+            self._blocks[heads] = causal_blocks(self.index, self.mask, heads)
+        return self._blocks[heads]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Attention of these rows' queries over the merged KV, causal by position."""
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
+        if uses_matmul_attention(q):  # bf16 on a CPU: matmuls block by block, even causal
+            return blocked_attention(q, k, v, self.blocks(q.shape[0]), scale)
         if self.mask is None:
             return attention(q, k, v, None, scale)
         first, n = int(self.index[0]), self.index.numel()
         if int(self.index[-1]) == first + n - 1:  # consecutive rows: a prefill on a past
             return tail_attention(q, k, v, first, scale)
-        return blocked_attention(q, k, v, self.blocks, scale)
+        return blocked_attention(q, k, v, self.blocks(q.shape[0]), scale)
 
 
 def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tensor:

@@ -12,11 +12,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from chunkcache.core.models import rope_from_config
 from chunkcache.kernels.attention import (
+    MAX_BLOCK_SCORES,
     attention,
     blocked_attention,
     causal_blocks,
     causal_mask,
     tail_attention,
+    uses_matmul_attention,
 )
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
@@ -131,6 +133,50 @@ def test_blocked_attention_equals_one_masked_call(num_rows: int) -> None:
     assert all(b.num_keys == rows[b.end - 1] + 1 for b in blocks)
     expected = attention(q, k, v, mask, D**-0.5)  # [N, H * D]
     torch.testing.assert_close(blocked_attention(q, k, v, blocks, D**-0.5), expected)
+
+
+def test_blocks_built_without_a_mask_equal_views_of_it() -> None:
+    rows = torch.tensor([3, 9, 10, 40, 41, 77, 78, 79, 120])
+    mask = causal_mask(rows, torch.arange(121))
+    viewed, built = causal_blocks(rows, mask), causal_blocks(rows, None)
+    assert [(b.first, b.end, b.num_keys) for b in viewed] == [
+        (b.first, b.end, b.num_keys) for b in built
+    ]
+    assert all(torch.equal(a.mask, b.mask) for a, b in zip(viewed, built, strict=True))
+
+
+def test_blocks_keep_their_scores_under_the_cap() -> None:
+    s = 4096
+    blocks = causal_blocks(torch.arange(s), None, heads=9)
+    assert all(9 * (b.end - b.first) * b.num_keys <= MAX_BLOCK_SCORES for b in blocks)
+    assert blocks[0].first == 0 and blocks[-1].end == s
+
+
+@pytest.mark.parametrize("num_rows", [1, 40, 300])
+def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
+    # bf16 on a CPU: every block runs as two matmuls and a float32 softmax
+    s = 300
+    q = _randn(H, num_rows, D, seed=4).to(torch.bfloat16)
+    k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (5, 6))
+    rows = torch.randperm(s, generator=torch.Generator().manual_seed(7))[:num_rows].sort().values
+    mask = causal_mask(rows, torch.arange(s))  # [N, S]
+    blocks = causal_blocks(rows, mask, H)
+    assert uses_matmul_attention(q) and not uses_matmul_attention(q.float())
+    expected = attention(q.double(), k.double(), v.double(), mask, D**-0.5)  # [N, H * D]
+    actual = blocked_attention(q, k, v, blocks, D**-0.5)
+    # bf16 scores and probabilities: within bf16 rounding of the exact result
+    torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_whole_bf16_sequences_take_the_blocks_too() -> None:
+    s = 100
+    q = _randn(H, s, D, seed=1).to(torch.bfloat16)
+    k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (2, 3))
+    rows = Rows.build(torch.arange(s), s, _rope("llama"))
+    expected = attention(q.double(), k.double(), v.double(), None, D**-0.5)
+    actual = rows.attention(q, k, v, D**-0.5)
+    assert len(rows.blocks(H)) > 1
+    torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
