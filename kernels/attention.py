@@ -107,13 +107,17 @@ def uses_matmul_attention(q: Tensor) -> bool:
     There SDPA's flash kernel ran at about a seventh of the matmuls' FLOP rate (SmolLM2,
     bf16, 2-core AMD EPYC with AVX512-BF16).  Two matmuls per block with a float32 softmax
     between them, as Hugging Face's eager attention computes it, took 0.4-0.8x its time
-    for blocks of 16-32 rows over 300-4,000 keys, and the engine's prefill (the same 6
-    prompts, best of 3) 0.77x for ``full``, 0.84x for ``cacheblend`` 0.15 and 0.79x for
-    ``reuse``.  The float32 softmax input is rounded to bf16 first, so a single block is
-    a few times further from the exact result than SDPA's, but that is lost in the
-    model's own bf16 rounding: first-token KL against the same policy in float32 (20
-    prompts, mean) was 0.0022 for ``full`` (SDPA 0.0024) and 0.0031 for ``cacheblend``
-    0.15 (SDPA 0.0021), whose KL to ``full`` is 0.11.  In float32 SDPA was as fast or faster.
+    for blocks of 16-32 rows over 300-4,000 keys.  The engine's prefill, best of 3 on the
+    same prompt: 0.77x for ``full``, 0.84x for ``cacheblend`` 0.15, 0.79x for ``reuse``.
+    A prompt whose shapes are new pays for oneDNN building a matmul for each shape (about
+    0.7 ms each, which SDPA does not): on its first run ``full`` took the same time as with
+    SDPA and ``cacheblend`` 0.15 0.92x (8 prompts, medians).
+
+    The float32 softmax input is rounded to bf16 first, so a single block is a few times
+    further from the exact result than SDPA's, but that is lost in the model's own bf16
+    rounding: first-token KL against the same policy in float32 (20 prompts, mean) was
+    0.0022 for ``full`` (SDPA 0.0024) and 0.0031 for ``cacheblend`` 0.15 (SDPA 0.0021),
+    whose KL to ``full`` is 0.11.  In float32 SDPA was as fast or faster.
     """
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
