@@ -48,7 +48,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 # time than one call (SmolLM2 shapes, 170 rows over 1,129 slots); more blocks cost more.
 ROWS_PER_BLOCK = 32
 MAX_BLOCKS = 8
-# A block's float32 scores (matmul path, below) stay under this many elements.
+# No block has more scores than this over all its heads (as float32 on the matmul path, below).
 MAX_BLOCK_SCORES = 1 << 22
 
 
@@ -152,12 +152,12 @@ def blocked_attention(
     (h, n, d), h_kv = q.shape, k.shape[0]
     groups = h // h_kv
     q_folded = q.view(h_kv, groups, n, d)  # heads h_kv * G + g share KV head h_kv
-    parts = []
+    on_matmuls, parts = uses_matmul_attention(q), []
     for b in blocks:
         rows = b.end - b.first
         q_b = q_folded[:, :, b.first : b.end].reshape(h_kv, groups * rows, d)
         k_b, v_b = k[:, : b.num_keys], v[:, : b.num_keys]  # [H_kv, K, D]
-        if uses_matmul_attention(q):
+        if on_matmuls:
             out = matmul_attention(q_b, k_b, v_b, b.bias(torch.float32, 1), scale)
         else:
             out = F.scaled_dot_product_attention(
