@@ -47,8 +47,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 # rows x slots, about twice the causal work. 4-8 blocks measured ~25% less attention
 # time than one call (SmolLM2 shapes, 170 rows over 1,129 slots); more blocks cost more.
 ROWS_PER_BLOCK = 32
+# On matmuls (bf16 on a CPU) each block costs three calls whatever its size, so blocks are
+# larger: 201 rows over 1,177 slots took 1.45 ms in one or two blocks, 2.0 ms in six; a whole
+# 1,177-token sequence 6.6 ms in four blocks, 7.0 ms in eight (SmolLM2 shapes, 2 threads).
+MATMUL_ROWS_PER_BLOCK = 256
 MAX_BLOCKS = 8
-# No block has more scores than this over all its heads (as float32 on the matmul path, below).
+# No block has more scores than this over all its heads.
 MAX_BLOCK_SCORES = 1 << 22
 
 
@@ -77,16 +81,19 @@ class RowBlock:
         return self._biases[key]
 
 
-def causal_blocks(q_pos: Tensor, mask: Tensor | None, heads: int = 1) -> tuple[RowBlock, ...]:
-    """Split rows at increasing slots ``q_pos`` into blocks of about equal size, enough of
-    them that no block has more than :data:`MAX_BLOCK_SCORES` scores over ``heads`` heads.
+def causal_blocks(
+    q_pos: Tensor, mask: Tensor | None, heads: int = 1, rows_per_block: int = ROWS_PER_BLOCK
+) -> tuple[RowBlock, ...]:
+    """Split rows at increasing slots ``q_pos`` into blocks of about ``rows_per_block`` rows
+    (at most :data:`MAX_BLOCKS`), more where a block would otherwise have more than
+    :data:`MAX_BLOCK_SCORES` scores over ``heads`` heads.
 
     ``mask`` is the rows' causal mask if already built; each block takes a view of it.
     """
     # q_pos: [N] long, strictly increasing; mask: [N, S] = causal_mask(q_pos, arange(S))
     n = q_pos.numel()
     max_rows = max(1, MAX_BLOCK_SCORES // (heads * (int(q_pos[-1]) + 1)))  # over every key
-    count = max(1, min(MAX_BLOCKS, n // ROWS_PER_BLOCK), -(-n // max_rows))
+    count = max(1, min(MAX_BLOCKS, n // rows_per_block), -(-n // max_rows))
     bounds = [i * n // count for i in range(count + 1)]
     ends = torch.tensor(bounds[1:], device=q_pos.device) - 1  # each block's last row
     last = q_pos[ends].tolist()  # their positions
@@ -113,27 +120,29 @@ def uses_matmul_attention(q: Tensor) -> bool:
     0.7 ms each, which SDPA does not): on its first run ``full`` took the same time as with
     SDPA and ``cacheblend`` 0.15 0.92x (8 prompts, medians).
 
-    The float32 softmax input is rounded to bf16 first, so a single block is a few times
-    further from the exact result than SDPA's, but that is lost in the model's own bf16
-    rounding: first-token KL against the same policy in float32 (20 prompts, mean) was
-    0.0022 for ``full`` (SDPA 0.0024) and 0.0031 for ``cacheblend`` 0.15 (SDPA 0.0021),
-    whose KL to ``full`` is 0.11.  In float32 SDPA was as fast or faster.
+    The scores are bf16, as in Hugging Face's eager attention, and the softmax computes in
+    float32 internally, so a single block is a few times further from the exact result than
+    SDPA's, but that is lost in the model's own bf16 rounding: first-token KL against the
+    same policy in float32 (20 prompts, mean) was 0.0022 for ``full`` (SDPA 0.0024) and
+    0.0031 for ``cacheblend`` 0.15 (SDPA 0.0021), whose KL to ``full`` is 0.11.  In float32
+    SDPA was as fast or faster.
     """
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """One block's attention as two matmuls with a float32 softmax between them.
+    """One block's attention in three calls: scaled scores plus the mask's bias in one
+    matmul, a softmax (float32 inside, ``q``'s dtype out), and the matmul with the values.
 
-    ``q`` holds the rows of the ``G`` query heads that share each KV head, head-major.
+    ``q`` holds the rows of the ``G`` query heads that share each KV head, head-major, and
+    ``bias`` the mask for those rows.  Fusing scale and bias into the matmul and leaving the
+    float32 to the softmax kernel halved the time of a whole sequence's attention against
+    converting the scores to float32 first (1,177 tokens, SmolLM2 shapes: 13.0 -> 6.6 ms a
+    layer), with the same result: the scores were bf16 before either way.
     """
-    # q: [H_kv, G * n, D]; k, v: [H_kv, K, D]; bias: [n, K] float32 -> [H_kv, G * n, D]
-    h_kv, rows, _ = q.shape
-    n, num_keys = bias.shape
-    scores = torch.bmm(q, k.transpose(1, 2)).float()  # scores: [H_kv, G * n, K]
-    scores = scores.view(h_kv, rows // n, n, num_keys).mul_(scale).add_(bias)
-    probs = scores.softmax(-1).to(q.dtype).view(h_kv, rows, num_keys)
-    return torch.bmm(probs, v)  # [H_kv, G * n, D]
+    # q: [H_kv, G * n, D]; k, v: [H_kv, K, D]; bias: [G * n, K] (0 or -inf) -> [H_kv, G * n, D]
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)  # [H_kv, G * n, K]
+    return torch.bmm(scores.softmax(-1), v)  # [H_kv, G * n, D]
 
 
 def blocked_attention(
@@ -157,11 +166,12 @@ def blocked_attention(
         rows = b.end - b.first
         q_b = q_folded[:, :, b.first : b.end].reshape(h_kv, groups * rows, d)
         k_b, v_b = k[:, : b.num_keys], v[:, : b.num_keys]  # [H_kv, K, D]
+        bias = b.bias(q.dtype, groups)  # [G * n_b, K]
         if on_matmuls:
-            out = matmul_attention(q_b, k_b, v_b, b.bias(torch.float32, 1), scale)
+            out = matmul_attention(q_b, k_b, v_b, bias, scale)
         else:
             out = F.scaled_dot_product_attention(
-                q_b[None], k_b[None], v_b[None], attn_mask=b.bias(q.dtype, groups), scale=scale
+                q_b[None], k_b[None], v_b[None], attn_mask=bias, scale=scale
             )[0]  # out: [H_kv, G * n_b, D]
         parts.append(out.view(h_kv, groups, rows, d))
     out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # out: [H_kv, G, N, D]

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 
 from chunkcache.kernels.attention import (
+    MATMUL_ROWS_PER_BLOCK,
+    ROWS_PER_BLOCK,
     RowBlock,
     attention,
     attention_mass,
@@ -34,8 +36,8 @@ class Rows:
     cos: Tensor  # [N, D] float32
     sin: Tensor  # [N, D] float32
     mask: Tensor | None  # [N, S] bool; None when the rows are all S slots (plain causal)
-    # the rows split for attention, by number of query heads; built on first use
-    _blocks: dict[int, tuple[RowBlock, ...]] = field(
+    # the rows split for attention, by query heads and rows per block; built on first use
+    _blocks: dict[tuple[int, int], tuple[RowBlock, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -72,17 +74,19 @@ class Rows:
         mask = self._mask(index, self.num_slots) if self.mask is None else self.mask[keep]
         return Rows(index, self.cos[keep], self.sin[keep], mask)
 
-    def blocks(self, heads: int) -> tuple[RowBlock, ...]:
+    def blocks(self, heads: int, rows_per_block: int = ROWS_PER_BLOCK) -> tuple[RowBlock, ...]:
         """These rows split for :func:`blocked_attention` with ``heads`` query heads."""
-        if heads not in self._blocks:
-            self._blocks[heads] = causal_blocks(self.index, self.mask, heads)
-        return self._blocks[heads]
+        key = (heads, rows_per_block)
+        if key not in self._blocks:
+            self._blocks[key] = causal_blocks(self.index, self.mask, heads, rows_per_block)
+        return self._blocks[key]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Attention of these rows' queries over the merged KV, causal by position."""
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
         if uses_matmul_attention(q):  # bf16 on a CPU: matmuls block by block, even causal
-            return blocked_attention(q, k, v, self.blocks(q.shape[0]), scale)
+            blocks = self.blocks(q.shape[0], MATMUL_ROWS_PER_BLOCK)
+            return blocked_attention(q, k, v, blocks, scale)
         if self.mask is None:
             return attention(q, k, v, None, scale)
         first, n = int(self.index[0]), self.index.numel()

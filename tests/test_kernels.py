@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from chunkcache.core.models import rope_from_config
 from chunkcache.kernels.attention import (
+    MATMUL_ROWS_PER_BLOCK,
     MAX_BLOCK_SCORES,
     attention,
     blocked_attention,
@@ -169,13 +170,13 @@ def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
 
 
 def test_whole_bf16_sequences_take_the_blocks_too() -> None:
-    s = 100
+    s = 600
     q = _randn(H, s, D, seed=1).to(torch.bfloat16)
     k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (2, 3))
     rows = Rows.build(torch.arange(s), s, _rope("llama"))
     expected = attention(q.double(), k.double(), v.double(), None, D**-0.5)
     actual = rows.attention(q, k, v, D**-0.5)
-    assert len(rows.blocks(H)) > 1
+    assert len(rows.blocks(H, MATMUL_ROWS_PER_BLOCK)) > 1
     torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
 
 
