@@ -71,8 +71,9 @@ def place_layers(lm: LoadedModel, placed: Sequence[PlacedChunk], kv: SeqKV, laye
         variant, span = p.variant, p.span
         stored_k, stored_v = variant.layers(layers)  # a lazy variant reads them here
         # stored_k: [L', H_kv, n, D] rotated at variant.start..; moved to span.start..
-        k = kv.k[layers, :, span.start : span.end]
-        k.copy_(lm.rope.shift(stored_k, span.start - variant.start))
+        lm.rope.shift(
+            stored_k, span.start - variant.start, out=kv.k[layers, :, span.start : span.end]
+        )
         kv.v[layers, :, span.start : span.end].copy_(stored_v)
 
 

@@ -93,6 +93,16 @@ def test_shift_keeps_bfloat16_keys_in_bfloat16() -> None:
     assert rope.shift(k, 5).dtype == torch.bfloat16
 
 
+def test_shift_into_a_slice_rotates_bfloat16_keys_in_float32() -> None:
+    rope = _rope("llama")
+    k = rope.rotate(_randn(H_KV, 8, D), torch.arange(8)).bfloat16()  # [H_kv, 8, D]
+    merged = torch.zeros(H_KV, 20, D, dtype=torch.bfloat16)
+    rope.shift(k, 5, out=merged[:, 5:13])
+    expected = rope.shift(k.float(), 5).bfloat16()  # rotated in float32, rounded once
+    assert torch.equal(merged[:, 5:13], expected)
+    assert not merged[:, :5].any() and not merged[:, 13:].any()
+
+
 def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
     # q: [H, N, D]; k, v: [H_kv, S, D]; mask: [N, S] -> [N, H * D]
     group = q.shape[0] // k.shape[0]
