@@ -153,3 +153,14 @@ def test_the_default_systems_rag_finding_carries_its_kl_from_full() -> None:
     figures["cacheblend-0.15 / chunkcache"] = row(0.5, None)
     (found,) = rag_findings({"workloads": {"corpus": {"figures": figures}}})
     assert "KL" not in found.text
+
+
+def test_a_two_part_report_is_stamped_with_one_part_s_command_and_commit(tmp_path: Path) -> None:
+    report = json.loads((PUBLISHED / "engine.json").read_text())
+    report["command"] = "chunkcache bench engine --part quality"  # the last run, quality
+    report["quality"]["environment"]["commit"] = "aaaaaaa"
+    report["speed"]["command"] = "chunkcache bench engine --part speed"
+    report["speed"]["environment"]["commit"] = "bbbbbbb"
+    (tmp_path / "engine.json").write_text(json.dumps(report))
+    text = summary_markdown(tmp_path)
+    assert "| `chunkcache bench engine --part speed` | bbbbbbb |" in text

@@ -48,8 +48,9 @@ def summary_markdown(folder: Path) -> str:
             missing.append(name)
             continue
         report = json.loads(path.read_text())
-        environment = _environment(report)
-        command = report.get("command") or MAKE_TARGETS.get(name, f"chunkcache bench {name}")
+        stamped = _stamped_part(report)
+        environment = dict(stamped.get("environment", {}))
+        command = stamped.get("command") or MAKE_TARGETS.get(name, f"chunkcache bench {name}")
         lines.append(
             f"| [{name}]({name}.md) | {TITLES.get(name, name)} | `{command}` "
             f"| {environment.get('commit', 'not stamped')} | {_machine(environment)} |"
@@ -76,12 +77,13 @@ def write_summary(folder: Path) -> Path:
     return path
 
 
-def _environment(report: dict[str, Any]) -> dict[str, str]:
-    """The report's environment stamp (a two-part report: its speed part's)."""
+def _stamped_part(report: dict[str, Any]) -> dict[str, Any]:
+    """The part of the report whose command and environment the table shows: the report
+    itself, or for a two-part report its speed part (command and commit of the same run)."""
     for part in (report, report.get("speed", {}), report.get("quality", {})):
         if isinstance(part, dict) and isinstance(part.get("environment"), dict):
-            return dict(part["environment"])
-    return {}
+            return part
+    return report
 
 
 def _machine(environment: dict[str, str]) -> str:
