@@ -32,11 +32,10 @@ first tokens recomputed.  Early termination on the question's focused chunks
 Measured on SmolLM2 (``chunkcache bench engine``, docs/benchmarks/engine.md: float32,
 50 RAG prompts of 5 chunks cached after the system prompt, teacher-forced KL against full
 prefill along its 32-token answer): reuse 0.074, cacheblend 0.15 0.040 at 22.7% of
-token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft capped at 15% of the reused
-tokens 0.043 at 17.2%.  Capped at cacheblend 0.15's token-layers instead (8 of those
-prompts): cachecraft 0.033 at 22.6% against cacheblend 0.15's 0.043 at 22.6% (lower on 8 of
-8) and 0.30's 0.025 at 36%; choosing tokens within each chunk by layer-1 V deviation (CFO
-only sharing the budget out) gave 0.047.
+token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft 0.038 at 22.6% (lower than
+cacheblend 0.15 on 60% of the prompts; capped at 15% of the reused tokens instead, 0.043 at
+17.2%).  Choosing tokens within each chunk by layer-1 V deviation (CFO only sharing the
+budget out) gave 0.047 on 8 of those prompts, where the stored attention gave 0.033.
 An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
 token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
 that to 0.052.
