@@ -117,14 +117,15 @@ def uses_matmul_attention(q: Tensor) -> bool:
     for blocks of 16-32 rows over 300-4,000 keys.  The engine's prefill, best of 3 on the
     same prompt: 0.77x for ``full``, 0.84x for ``cacheblend`` 0.15, 0.79x for ``reuse``.
     A prompt whose shapes are new pays for oneDNN building a matmul for each shape (about
-    0.7 ms each, which SDPA does not): on its first run ``full`` took the same time as with
-    SDPA and ``cacheblend`` 0.15 0.92x (8 prompts, medians).
+    0.7 ms each, which SDPA does not); blocks of :data:`MATMUL_ROWS_PER_BLOCK` rows keep
+    that to a few shapes a layer: a new prompt's first ``cacheblend`` 0.15 run took 1.08x
+    the time of its repeat, ``full`` 1.0x (12 prompts, medians).
 
     The scores are bf16, as in Hugging Face's eager attention, and the softmax computes in
     float32 internally, so a single block is a few times further from the exact result than
     SDPA's, but that is lost in the model's own bf16 rounding: first-token KL against the
     same policy in float32 (20 prompts, mean) was 0.0022 for ``full`` (SDPA 0.0024) and
-    0.0031 for ``cacheblend`` 0.15 (SDPA 0.0021), whose KL to ``full`` is 0.11.  In float32
+    0.0026 for ``cacheblend`` 0.15 (SDPA 0.0021), whose KL to ``full`` is 0.11.  In float32
     SDPA was as fast or faster.
     """
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
