@@ -34,7 +34,8 @@ def _rotate_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
     """:func:`apply_rope` computed in ``cos``'s dtype (float32 cos and sin promote a bf16
     ``x`` exactly) and written straight into ``out``: two passes where converting ``x``,
     rotating and converting back took five (placing a request's moved chunk keys, SmolLM2
-    shapes: 3.3 ms against 17 ms, the same bits)."""
+    shapes: 3.3 ms against 17 ms, the same bits).  :func:`apply_rope` keeps its in-place
+    form: written as this function with ``x``'s dtype, the prefill took 1.04x the time."""
     # x, out: [..., N, D]; cos, sin: [N, D] or [1, D]
     half = x.shape[-1] // 2
     low, high = x[..., :half], x[..., half:]
