@@ -88,3 +88,17 @@ def test_speed_targets_compare_with_full_and_hf_generate() -> None:
     assert not met["cacheblend-0.15 TTFT <= 0.2 x full (median of per-prompt ratios)"]
     assert met["cacheblend-0.15 TTFT < HF generate (medians)"]  # 50 ms < 90 ms
     assert "| cacheblend-0.15 | 50 | 50 | 0.50 |" in markdown(made)
+
+
+def test_reordered_quality_adds_cachecraft_targets_of_its_own() -> None:
+    system = quality_part({"cacheblend-0.30": 0.02, "cachecraft": 0.03})
+    reordered = quality_part({"cacheblend-0.30": 0.02, "cachecraft": 0.01})
+    made = report(quality=system, **{"quality-reordered": reordered})
+    met = {t["target"]: t["met"] for t in made["targets"]}
+    assert not met["cachecraft TF KL <= cacheblend-0.30's"]
+    assert met["cachecraft TF KL <= cacheblend-0.30's (chunks cached reordered)"]
+    assert not any("cacheblend-0.15 TF KL" in name and "reordered" in name for name in met)
+    text = markdown(made)
+    assert "## Quality, chunks cached by an earlier request in another order" in text
+    assert "quality-reordered by `chunkcache bench engine`" in text
+    assert "## Speed: not measured" in text

@@ -1,12 +1,13 @@
 """``chunkcache bench engine``: every recompute policy against a full prefill.
 
 Builds seeded RAG prompts over the bundled corpus (:mod:`.rag_prompts`), warms a
-fresh store per prompt with every chunk computed after the system prefix
-(:mod:`.policies`), then runs each policy: full, prefix, reuse, cacheblend at
-0.05/0.15/0.30 and cachecraft.  Quality (float32, :mod:`.quality`) and speed
-(bfloat16, :mod:`.speed`) are separate parts; running one part alone keeps the other
-from the previous report if it was made on the same prompts (else the report
-says that part was not measured).  Each part records the
+fresh store per prompt (:mod:`.policies`), then runs each policy: full, prefix, reuse,
+cacheblend at 0.05/0.15/0.30 and cachecraft.  The parts: ``quality`` (float32,
+:mod:`.quality`) with every chunk computed after the system prefix,
+``quality-reordered`` with the chunks cached by an earlier request that held them in
+another order, and ``speed`` (bfloat16, :mod:`.speed`, chunks after the system prefix).
+Running some parts keeps the others from the previous report if it was made on the
+same prompts (else the report says a part was not measured).  Each part records the
 commit and machine it ran on.  Writes ``engine.json`` and ``engine.md``.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from chunkcache.core.bench.engine_report import markdown, targets
-from chunkcache.core.bench.policies import POLICY_RUNS
+from chunkcache.core.bench.policies import POLICY_RUNS, Warmup
 from chunkcache.core.bench.quality import evaluate_quality
 from chunkcache.core.bench.rag_prompts import RagPrompt, build_rag_prompts, corpus_search
 from chunkcache.core.bench.report import environment, summarize
@@ -31,7 +32,9 @@ from chunkcache.core.corpus import load_corpus
 from chunkcache.core.models import load_model
 from chunkcache.core.tokenization import SegmentTokenizer
 
-PARTS = ("quality", "speed")
+# The quality parts, by the warm-up their stores get.
+QUALITY_PARTS: dict[str, Warmup] = {"quality": "system", "quality-reordered": "reordered"}
+PARTS = (*QUALITY_PARTS, "speed")
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,14 @@ def run_engine_bench(config: EngineBenchConfig, command: str) -> dict[str, Any]:
     listed = prompt_list(prompts, lengths)
     json_path = config.out / "engine.json"
     parts = previous_parts(json_path, listed)
-    if "quality" in config.parts:
+    for part, warmup in QUALITY_PARTS.items():
+        if part not in config.parts:
+            continue
         env = part_environment()
-        quality = evaluate_quality(lm32, prompts, POLICY_RUNS, config.answer_tokens, log)
-        parts["quality"] = {
+        quality = evaluate_quality(
+            lm32, prompts, POLICY_RUNS, config.answer_tokens, log, warmup=warmup
+        )
+        parts[part] = {
             **quality,
             "command": command,
             "environment": env,

@@ -1,7 +1,7 @@
 """The engine report: the issue's targets against a run, and its markdown.
 
-A report may hold one part only (``quality`` or ``speed``): what was not measured
-is said so, never filled in.
+A report may hold some parts only (``quality``, ``quality-reordered``, ``speed``): what
+was not measured is said so, never filled in.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ PLAIN_LOOP = {
 Target = tuple[str, float, str, float, str]  # label, measured, comparison, bound, unit
 
 
-def quality_targets(quality: Any) -> list[Target]:
-    """The issue's quality targets (means over prompts)."""
+def quality_targets(quality: Any, scenario: str = "") -> list[Target]:
+    """The issue's quality targets (means over prompts); ``scenario`` labels a warm-up other
+    than CacheBlend's, where only cachecraft's targets apply."""
     q = {name: {m: v["mean"] for m, v in row.items()} for name, row in quality["summary"].items()}
     cb15, cb30, craft = q["cacheblend-0.15"], q["cacheblend-0.30"], q["cachecraft"]
-    return [
+    blend: list[Target] = [
         ("cacheblend-0.15 TF KL <= 0.054", cb15["tf_kl"], "<=", 0.054, ""),
         ("cacheblend-0.15 TF top-1 >= 0.912", cb15["tf_top1"], ">=", 0.912, ""),
+    ]
+    craft_targets: list[Target] = [
         (
             "cachecraft token-layers <= cacheblend-0.15's",
             craft["token_layer_share"],
@@ -34,6 +37,9 @@ def quality_targets(quality: Any) -> list[Target]:
         ("cachecraft TF KL <= cacheblend-0.30's", craft["tf_kl"], "<=", cb30["tf_kl"], ""),
         ("cachecraft TF top-1 >= cacheblend-0.30's", craft["tf_top1"], ">=", cb30["tf_top1"], ""),
     ]
+    if not scenario:
+        return blend + craft_targets
+    return [(f"{label} ({scenario})", m, op, b, unit) for label, m, op, b, unit in craft_targets]
 
 
 def speed_targets(speed: Any) -> list[Target]:
@@ -63,6 +69,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "quality" in report:
         rows += quality_targets(report["quality"])
+    if "quality-reordered" in report:
+        rows += quality_targets(report["quality-reordered"], "chunks cached reordered")
     if "speed" in report:
         rows += speed_targets(report["speed"])
     compare = {"<=": float.__le__, ">=": float.__ge__, "<": float.__lt__}
@@ -72,15 +80,18 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+MEASURED_PARTS = ("quality", "quality-reordered", "speed")
+
+
 def header(report: dict[str, Any]) -> list[str]:
-    parts = [report[part] for part in ("quality", "speed") if part in report]
+    parts = [report[part] for part in MEASURED_PARTS if part in report]
     env = parts[0]["environment"]
     measured = "; ".join(
         f"{name} by `{report[name].get('command', report['command'])}` at commit "
         f"{report[name]['environment']['commit']} with "
         f"{report[name]['environment']['torch_threads']} torch threads (model fingerprint "
         f"`{report[name]['fingerprint']}`)"
-        for name in ("quality", "speed")
+        for name in MEASURED_PARTS
         if name in report
     )
     return [
@@ -95,18 +106,31 @@ def header(report: dict[str, Any]) -> list[str]:
         f"on one or two of them, in shuffled order, chat template applied; "
         f"{report['prompt_tokens']['median']:.0f} tokens (median, "
         f"{report['prompt_tokens']['mean']:.0f} mean). Per prompt, a fresh in-memory store is "
-        "warmed with every chunk prefilled right after the system prefix (by `full`, and by "
-        "`cachecraft` for cachecraft, so its variants carry their CFO metadata); each policy "
-        "then reads that store (its own new variants dropped), so the system prefix is the only "
-        "exact hit and all chunks are moved and (selectively) recomputed.",
+        "warmed (by `full`, and by `cachecraft` for cachecraft, so its variants carry their CFO "
+        "metadata) and each policy then reads it (its own new variants dropped). Two warm-ups:",
+        "",
+        "- after the system prefix (`quality`, `speed`): every chunk prefilled right after the "
+        "system prefix on its own, CacheBlend's set-up; the system prefix is the only exact "
+        "hit and all chunks are moved and (selectively) recomputed;",
+        "- reordered (`quality-reordered`): one earlier request held the same chunks in another "
+        "order (seeded per prompt), as when another question retrieves the same top-k; each "
+        "chunk's variant saw some of its present companions, which Cache-Craft's CFO reads, "
+        "and chunks that keep their place behind the same prefix are exact hits.",
     ]
 
 
-def quality_section(report: dict[str, Any]) -> list[str]:
-    quality = report["quality"]
+QUALITY_TITLES = {
+    "quality": "Quality",
+    "quality-reordered": "Quality, chunks cached by an earlier request in another order",
+}
+
+
+def quality_section(report: dict[str, Any], part: str = "quality") -> list[str]:
+    quality = report[part]
     lines = [
         "",
-        f"## Quality (float32, vs full; mean (median) over {report['prompts']} prompts)",
+        f"## {QUALITY_TITLES[part]} (float32, vs full; mean (median) over "
+        f"{report['prompts']} prompts)",
         "",
         f"TF = teacher-forced along full's {quality['answer_tokens']}-token greedy answer; "
         "ROUGE-L F1 of the policy's own greedy answer vs full's (words). Token-layers: the "
@@ -132,6 +156,8 @@ def quality_section(report: dict[str, Any]) -> list[str]:
         )
     lines += ["", "Teacher-forced KL lower, per prompt:", ""]
     lines += [f"- {pair}: {share:.0%} of prompts" for pair, share in quality["tf_kl_wins"].items()]
+    if part != "quality":
+        return lines
     plain = "; ".join(f"{name} {kl:.3f} / {top1:.3f}" for name, (kl, top1) in PLAIN_LOOP.items())
     return [
         *lines,
@@ -179,8 +205,13 @@ def speed_section(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: set-up, each measured part, and the targets."""
     lines = header(report)
-    for part, section in (("quality", quality_section), ("speed", speed_section)):
-        lines += section(report) if part in report else ["", f"## {part.title()}: not measured"]
+    for part in MEASURED_PARTS:
+        if part not in report:
+            lines += ["", f"## {QUALITY_TITLES.get(part, part.title())}: not measured"]
+        elif part == "speed":
+            lines += speed_section(report)
+        else:
+            lines += quality_section(report, part)
     lines += ["", "## Targets (from the issue)", "", "| target | measured | bound | met |"]
     lines.append("| --- | ---: | ---: | --- |")
     for t in report["targets"]:

@@ -1,18 +1,27 @@
 """The policies a benchmark runs, and the warmed stores they all read.
 
-Warm-up: every chunk of a prompt is prefilled right after the system prefix, in a
-fresh store per prompt (``cachecraft`` warms its own store under its own policy, so
-its variants carry the CFO metadata).  The prompt then finds the system prefix as its
-only exact hit and every chunk as a variant to move and selectively recompute.  Every
-policy reads the warmed store through :class:`ReadOnlyStore`, so one policy's new
+A fresh store per prompt is warmed one of two ways (``cachecraft`` warms its own store
+under its own policy, so its variants carry the CFO metadata):
+
+- ``system``: every chunk of the prompt prefilled right after the system prefix, on its
+  own.  The prompt then finds the system prefix as its only exact hit and every chunk as
+  a variant to move and selectively recompute (CacheBlend's set-up, §6).
+- ``reordered``: one earlier request held the same chunks in another order (seeded by
+  the prompt), as when another question retrieves the same top-k.  Each chunk's variant
+  was computed after some of its present companions, which is what Cache-Craft's CFO
+  reads (§3.2); a chunk that keeps its place behind the same prefix is an exact hit.
+
+Every policy reads the warmed store through :class:`ReadOnlyStore`, so one policy's new
 variants never serve another (a ``full`` run would otherwise store the whole prompt
 as an exact prefix).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
 from chunkcache.core.generation import (
@@ -86,12 +95,43 @@ class ReadOnlyStore:
         return self.base.variants(fingerprint, segment_id)
 
 
+Warmup = Literal["system", "reordered"]
+WARMUPS: tuple[Warmup, ...] = ("system", "reordered")
+
+
+def reordered_request(segments: Sequence[TokenSegment]) -> list[TokenSegment]:
+    """An earlier request with the prompt's chunks in another order: the prompt up to its
+    last chunk, the chunks shuffled among their places (the text between them stays).
+
+    The order is seeded by the chunk ids, so every warm-up of a prompt sees the same one.
+    """
+    places = [i for i, segment in enumerate(segments) if segment.is_chunk]
+    if not places:
+        return list(segments)
+    rng = random.Random(" ".join(segments[i].segment_id for i in places))
+    order = list(places)
+    while len(places) > 1 and order == places:
+        rng.shuffle(order)
+    earlier = list(segments[: places[-1] + 1])
+    for place, source in zip(places, order, strict=True):
+        earlier[place] = segments[source]
+    return earlier
+
+
 def warm_store(
-    lm: LoadedModel, segments: Sequence[TokenSegment], policy: Policy = "full"
+    lm: LoadedModel,
+    segments: Sequence[TokenSegment],
+    policy: Policy = "full",
+    warmup: Warmup = "system",
 ) -> MemoryKVStore:
-    """A fresh store holding every chunk of the prompt prefilled right after ``segments[0]``."""
+    """A fresh store warmed for the prompt ``segments`` as ``warmup`` says (module docstring):
+    every chunk prefilled right after ``segments[0]``, or one earlier request of the same
+    chunks reordered (:func:`reordered_request`)."""
     store = MemoryKVStore()
     engine = ChunkEngine(lm, store)
+    if warmup == "reordered":
+        engine.prefill(reordered_request(segments), policy)
+        return store
     for segment in segments[1:]:
         if segment.is_chunk:
             engine.prefill([segments[0], segment], policy)
@@ -99,9 +139,13 @@ def warm_store(
 
 
 def warm_views(
-    lm: LoadedModel, segments: Sequence[TokenSegment], runs: Sequence[PolicyRun]
+    lm: LoadedModel,
+    segments: Sequence[TokenSegment],
+    runs: Sequence[PolicyRun],
+    warmup: Warmup = "system",
 ) -> dict[str, ReadOnlyStore]:
     """A read-only view of a freshly warmed store for each warm-up policy of ``runs``."""
     return {
-        policy: ReadOnlyStore(warm_store(lm, segments, policy)) for policy in {r.warm for r in runs}
+        policy: ReadOnlyStore(warm_store(lm, segments, policy, warmup))
+        for policy in {r.warm for r in runs}
     }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from chunkcache.core.bench.policies import FULL, POLICY_RUNS, PolicyRun, warm_views
+from chunkcache.core.bench.policies import FULL, POLICY_RUNS, PolicyRun, Warmup, warm_views
 from chunkcache.core.bench.rag_prompts import RagPrompt
 from chunkcache.core.bench.report import summarize
 from chunkcache.core.bench.scoring import (
@@ -70,9 +70,11 @@ def prompt_quality(
     segments: Sequence[TokenSegment],
     runs: Sequence[PolicyRun] = POLICY_RUNS,
     answer_tokens: int = 32,
+    warmup: Warmup = "system",
 ) -> dict[str, dict[str, Any]]:
-    """Each run's distance from ``full`` on one prompt (run it in float32)."""
-    views = warm_views(lm, segments, runs)
+    """Each run's distance from ``full`` on one prompt (run it in float32), its chunks
+    cached as ``warmup`` says (:mod:`chunkcache.core.bench.policies`)."""
+    views = warm_views(lm, segments, runs, warmup)
     stop = lm.eos_ids
     reference = full_reference(lm, segments, answer_tokens)
     answer = reference.answer
@@ -124,6 +126,7 @@ KL_PAIRS = (
     ("cacheblend-0.15", "reuse"),
     ("cacheblend-0.30", "cacheblend-0.15"),
     ("cachecraft", "cacheblend-0.15"),
+    ("cachecraft", "cacheblend-0.30"),
 )
 
 
@@ -133,6 +136,7 @@ def evaluate_quality(
     runs: Sequence[PolicyRun] = POLICY_RUNS,
     answer_tokens: int = 32,
     progress: Progress | None = None,
+    warmup: Warmup = "system",
 ) -> dict[str, Any]:
     """:func:`prompt_quality` on every prompt: ``summary`` (run -> metric -> mean, median,
     p99), ``tf_kl_wins`` (share of prompts where a run of :data:`KL_PAIRS` beats the
@@ -141,7 +145,8 @@ def evaluate_quality(
     per_prompt = []
     for index, prompt in enumerate(prompts):
         started = time.perf_counter()
-        per_prompt.append(prompt_quality(lm, tokenize(prompt.segments), runs, answer_tokens))
+        segments = tokenize(prompt.segments)
+        per_prompt.append(prompt_quality(lm, segments, runs, answer_tokens, warmup))
         if progress is not None:
             progress(f"quality {index + 1}/{len(prompts)}: {time.perf_counter() - started:.0f} s")
     summary = {
@@ -155,6 +160,7 @@ def evaluate_quality(
         if a in names and b in names
     }
     return {
+        "warmup": warmup,
         "answer_tokens": answer_tokens,
         "summary": summary,
         "tf_kl_wins": wins,
