@@ -28,7 +28,7 @@ def test_engine_bench_writes_every_part_and_the_targets(tmp_path: Path) -> None:
     assert len(report["targets"]) == 10
     text = (tmp_path / "engine.md").read_text()
     assert "## Quality" in text and "## Time to first token" in text
-    assert "## Quality, chunks cached by an earlier request in another order" in text
+    assert "## Quality, chunks also cached by an earlier request in another order" in text
 
     # The speed part alone keeps the quality part measured on the same prompts.
     speed_only = EngineBenchConfig(

@@ -99,6 +99,6 @@ def test_reordered_quality_adds_cachecraft_targets_of_its_own() -> None:
     assert met["cachecraft TF KL <= cacheblend-0.30's (chunks cached reordered)"]
     assert not any("cacheblend-0.15 TF KL" in name and "reordered" in name for name in met)
     text = markdown(made)
-    assert "## Quality, chunks cached by an earlier request in another order" in text
+    assert "## Quality, chunks also cached by an earlier request in another order" in text
     assert "quality-reordered by `chunkcache bench engine`" in text
     assert "## Speed: not measured" in text

@@ -27,16 +27,25 @@ def test_reordered_request_of_a_single_chunk_keeps_it() -> None:
     assert reordered_request([SYSTEM, CHUNKS[0], QUESTION]) == [SYSTEM, CHUNKS[0]]
 
 
-def test_reordered_warm_up_stores_each_chunk_once_in_the_earlier_context() -> None:
+def test_reordered_warm_up_adds_the_earlier_request_as_each_chunks_latest_variant() -> None:
     lm = tiny_lm()
     earlier = reordered_request(PROMPT)
     store = warm_store(lm, PROMPT, "full", "reordered")
+    after_system = extend_context(ROOT_CONTEXT, SYSTEM.segment_id)
     context = ROOT_CONTEXT
     for segment in earlier:
         if segment.is_chunk:
-            variants = store.variants(lm.fingerprint, segment.segment_id)
-            assert [v.context for v in variants] == [context]
+            variants = store.variants(lm.fingerprint, segment.segment_id)  # latest first
+            assert [v.context for v in variants] == [context, after_system]
         context = extend_context(context, segment.segment_id)
+
+
+def test_cachecraft_warm_up_gives_both_variants_their_metadata() -> None:
+    lm = tiny_lm()
+    store = warm_store(lm, PROMPT, "cachecraft", "reordered")
+    for segment in CHUNKS:
+        variants = store.variants(lm.fingerprint, segment.segment_id)
+        assert len(variants) == 2 and all(v.meta is not None for v in variants)
 
 
 def test_system_warm_up_stores_each_chunk_after_the_system_prefix() -> None:

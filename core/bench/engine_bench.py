@@ -4,8 +4,9 @@ Builds seeded RAG prompts over the bundled corpus (:mod:`.rag_prompts`), warms a
 fresh store per prompt (:mod:`.policies`), then runs each policy: full, prefix, reuse,
 cacheblend at 0.05/0.15/0.30 and cachecraft.  The parts: ``quality`` (float32,
 :mod:`.quality`) with every chunk computed after the system prefix,
-``quality-reordered`` with the chunks cached by an earlier request that held them in
-another order, and ``speed`` (bfloat16, :mod:`.speed`, chunks after the system prefix).
+``quality-reordered`` with each chunk also cached by an earlier request that held the
+chunks in another order, and ``speed`` (bfloat16, :mod:`.speed`, chunks after the
+system prefix).
 Running some parts keeps the others from the previous report if it was made on the
 same prompts (else the report says a part was not measured).  Each part records the
 commit and machine it ran on.  Writes ``engine.json`` and ``engine.md``.

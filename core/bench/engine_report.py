@@ -112,16 +112,18 @@ def header(report: dict[str, Any]) -> list[str]:
         "- after the system prefix (`quality`, `speed`): every chunk prefilled right after the "
         "system prefix on its own, CacheBlend's set-up; the system prefix is the only exact "
         "hit and all chunks are moved and (selectively) recomputed;",
-        "- reordered (`quality-reordered`): one earlier request held the same chunks in another "
-        "order (seeded per prompt), as when another question retrieves the same top-k; each "
-        "chunk's variant saw some of its present companions, which Cache-Craft's CFO reads, "
-        "and chunks that keep their place behind the same prefix are exact hits.",
+        "- reordered (`quality-reordered`): as above, and then one earlier request held the "
+        "same chunks in another order (seeded per prompt), as when another question retrieves "
+        "the same top-k, so every chunk has two variants; the policies that take the most "
+        "recent variant place the earlier request's, `cachecraft` the one of lowest CFO "
+        "(Cache-Craft §3.3), and chunks that keep their place behind the same prefix are exact "
+        "hits.",
     ]
 
 
 QUALITY_TITLES = {
     "quality": "Quality",
-    "quality-reordered": "Quality, chunks cached by an earlier request in another order",
+    "quality-reordered": "Quality, chunks also cached by an earlier request in another order",
 }
 
 

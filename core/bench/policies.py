@@ -5,11 +5,13 @@ under its own policy, so its variants carry the CFO metadata):
 
 - ``system``: every chunk of the prompt prefilled right after the system prefix, on its
   own.  The prompt then finds the system prefix as its only exact hit and every chunk as
-  a variant to move and selectively recompute (CacheBlend's set-up, §6).
-- ``reordered``: one earlier request held the same chunks in another order (seeded by
-  the prompt), as when another question retrieves the same top-k.  Each chunk's variant
-  was computed after some of its present companions, which is what Cache-Craft's CFO
-  reads (§3.2); a chunk that keeps its place behind the same prefix is an exact hit.
+  a variant to move and selectively recompute.
+- ``reordered``: as ``system``, and then one earlier request held the same chunks in
+  another order (seeded by the prompt), as when another question retrieves the same
+  top-k: every chunk has two variants, the earlier request's the more recent.  The
+  policies that take the most recent variant place that one; ``cachecraft`` picks the
+  variant of lowest CFO (Cache-Craft §3.3), a choice ``system`` never offers.  A chunk
+  that keeps its place behind the same prefix is an exact hit.
 
 Every policy reads the warmed store through :class:`ReadOnlyStore`, so one policy's new
 variants never serve another (a ``full`` run would otherwise store the whole prompt
@@ -125,16 +127,23 @@ def warm_store(
     warmup: Warmup = "system",
 ) -> MemoryKVStore:
     """A fresh store warmed for the prompt ``segments`` as ``warmup`` says (module docstring):
-    every chunk prefilled right after ``segments[0]``, or one earlier request of the same
-    chunks reordered (:func:`reordered_request`)."""
+    every chunk prefilled right after ``segments[0]``, and for ``reordered`` then the earlier
+    request of :func:`reordered_request`.
+
+    Both are computed fresh, as by two servers or two store lifetimes: a request that
+    found the first variants would have reused them and stored no second one.
+    """
     store = MemoryKVStore()
     engine = ChunkEngine(lm, store)
-    if warmup == "reordered":
-        engine.prefill(reordered_request(segments), policy)
-        return store
     for segment in segments[1:]:
         if segment.is_chunk:
             engine.prefill([segments[0], segment], policy)
+    if warmup == "reordered":
+        earlier = MemoryKVStore()
+        ChunkEngine(lm, earlier).prefill(reordered_request(segments), policy)
+        for segment in {s.segment_id: s for s in segments if s.is_chunk}:
+            for variant in earlier.variants(lm.fingerprint, segment):
+                store.put(lm.fingerprint, variant)
     return store
 
 
