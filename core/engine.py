@@ -36,16 +36,14 @@ token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft 0.038 at 22.6% (lower t
 cacheblend 0.15 on 60% of the prompts; capped at 15% of the reused tokens instead, 0.043 at
 17.2%).  Choosing tokens within each chunk by layer-1 V deviation (CFO only sharing the
 budget out) gave 0.047 on 8 of those prompts, where the stored attention gave 0.033.
-With the chunks cached by one earlier request that held them in another order (the
-``quality-reordered`` part, where CFO's variant scores and beta' differ chunk by chunk):
-reuse 0.050, cacheblend 0.15 0.021 at 21.4%, 0.30 0.013 at 34.3%, cachecraft 0.020 at
-21.3% (lower than cacheblend 0.15 on 62% of prompts).  There, ranking a chunk's tokens by
-their stored attention to the part of the old context the request lost or reordered,
-rather than to all of it (Eq. 14), gave 0.0137 against 0.0136 on 16 prompts, and reading
-the metadata on every layer rather than every 4th 0.0174 against 0.0175 on 8.
-An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
-token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
-that to 0.052.
+With every chunk also cached by an earlier request that held the chunks in another
+order (the ``quality-reordered`` part: two variants per chunk, so CFO's variant choice
+runs): reuse 0.050, cacheblend 0.15 0.021 at 22.7%, 0.30 0.013 at 36.1%, cachecraft
+0.018 at 22.6% (lower than cacheblend 0.15 on 68% of prompts, than 0.30 on 38%); with
+the earlier request's variants alone it was 0.020, and in that set-up ranking a chunk's
+tokens by their stored attention to the part of the old context the request lost or
+reordered, rather than to all of it (Eq. 14), gave 0.0137 against 0.0136 on 16 prompts;
+reading the metadata on every layer rather than every 4th, 0.0174 against 0.0175 on 8.
 """
 
 from __future__ import annotations
