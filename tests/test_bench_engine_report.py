@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from chunkcache.core.bench.engine_bench import PARTS
 from chunkcache.core.bench.engine_report import markdown, targets
 from chunkcache.core.bench.policies import POLICY_RUNS
 from chunkcache.core.bench.quality import QUALITY_METRICS
+from chunkcache.core.cli import build_parser
 
 ENV = {
     "cpu": "test cpu",
@@ -102,3 +104,9 @@ def test_reordered_quality_adds_cachecraft_targets_of_its_own() -> None:
     assert "## Quality, chunks also cached by an earlier request in another order" in text
     assert "quality-reordered by `chunkcache bench engine`" in text
     assert "## Speed: not measured" in text
+
+
+def test_the_cli_offers_every_part() -> None:
+    assert build_parser().parse_args(["bench", "engine"]).part == "all"
+    for part in PARTS:
+        assert build_parser().parse_args(["bench", "engine", "--part", part]).part == part

@@ -98,7 +98,6 @@ class ReadOnlyStore:
 
 
 Warmup = Literal["system", "reordered"]
-WARMUPS: tuple[Warmup, ...] = ("system", "reordered")
 
 
 def reordered_request(segments: Sequence[TokenSegment]) -> list[TokenSegment]:
@@ -141,8 +140,8 @@ def warm_store(
     if warmup == "reordered":
         earlier = MemoryKVStore()
         ChunkEngine(lm, earlier).prefill(reordered_request(segments), policy)
-        for segment in {s.segment_id: s for s in segments if s.is_chunk}:
-            for variant in earlier.variants(lm.fingerprint, segment):
+        for segment_id in dict.fromkeys(s.segment_id for s in segments if s.is_chunk):
+            for variant in earlier.variants(lm.fingerprint, segment_id):
                 store.put(lm.fingerprint, variant)
     return store
 
