@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from tiny_models import chunk, random_ids, text, tiny_lm
+
 from chunkcache.core.bench.policies import reordered_request, warm_store
 from chunkcache.core.kv_store import ROOT_CONTEXT, extend_context
-from tests.tiny_models import chunk, random_ids, text, tiny_lm
 
 SYSTEM, HEAD, SEP, QUESTION = (
     text(random_ids(n, seed)) for n, seed in ((6, 1), (3, 2), (1, 3), (5, 4))
