@@ -39,6 +39,9 @@ def test_reordered_warm_up_adds_the_earlier_request_as_each_chunks_latest_varian
             variants = store.variants(lm.fingerprint, segment.segment_id)  # latest first
             assert [v.context for v in variants] == [context, after_system]
         context = extend_context(context, segment.segment_id)
+    # the earlier request's text is not kept: the system prefix stays the only exact hit
+    assert store.exact(lm.fingerprint, HEAD.segment_id, after_system) is None
+    assert store.exact(lm.fingerprint, SYSTEM.segment_id, ROOT_CONTEXT) is not None
 
 
 def test_cachecraft_warm_up_gives_both_variants_their_metadata() -> None:

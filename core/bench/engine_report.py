@@ -116,8 +116,8 @@ def header(report: dict[str, Any]) -> list[str]:
         "same chunks in another order (seeded per prompt), as when another question retrieves "
         "the same top-k, so every chunk has two variants; the policies that take the most "
         "recent variant place the earlier request's, `cachecraft` the one of lowest CFO "
-        "(Cache-Craft §3.3), and chunks that keep their place behind the same prefix are exact "
-        "hits.",
+        "(Cache-Craft §3.3); only its chunk variants are kept, so the system prefix is again "
+        "the only exact hit.",
     ]
 
 

@@ -10,8 +10,9 @@ under its own policy, so its variants carry the CFO metadata):
   another order (seeded by the prompt), as when another question retrieves the same
   top-k: every chunk has two variants, the earlier request's the more recent.  The
   policies that take the most recent variant place that one; ``cachecraft`` picks the
-  variant of lowest CFO (Cache-Craft §3.3), a choice ``system`` never offers.  A chunk
-  that keeps its place behind the same prefix is an exact hit.
+  variant of lowest CFO (Cache-Craft §3.3), a choice ``system`` never offers.  Only the
+  earlier request's chunk variants are kept, so the system prefix stays the only exact
+  hit and a chunk that kept its place is placed too (unmoved, its KV exact).
 
 Every policy reads the warmed store through :class:`ReadOnlyStore`, so one policy's new
 variants never serve another (a ``full`` run would otherwise store the whole prompt
@@ -126,8 +127,8 @@ def warm_store(
     warmup: Warmup = "system",
 ) -> MemoryKVStore:
     """A fresh store warmed for the prompt ``segments`` as ``warmup`` says (module docstring):
-    every chunk prefilled right after ``segments[0]``, and for ``reordered`` then the earlier
-    request of :func:`reordered_request`.
+    every chunk prefilled right after ``segments[0]``, and for ``reordered`` then the chunk
+    variants of the earlier request of :func:`reordered_request`.
 
     Both are computed fresh, as by two servers or two store lifetimes: a request that
     found the first variants would have reused them and stored no second one.
