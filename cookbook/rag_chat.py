@@ -22,7 +22,7 @@ from langchain_core.messages import BaseMessage
 
 from chunkcache.core import default_cache
 from chunkcache.core.corpus import load_corpus
-from chunkcache.core.workload import WorkloadConfig, multi_turn_trace
+from chunkcache.core.workload import TITLE_QUESTIONS, WorkloadConfig, multi_turn_trace
 from chunkcache.integrations.indexes import langchain_corpus_retriever
 from chunkcache.integrations.langchain import ChunkCacheLLM, ChunkCacheRetriever
 from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
@@ -61,6 +61,7 @@ def main() -> None:
         max_turns=args.turns,
         same_topic_probability=0.9,
         seed=args.seed,
+        templates=TITLE_QUESTIONS,
     )
     turns = sorted(
         multi_turn_trace(corpus, config), key=lambda t: (t.conversation_id, t.turn_index)

@@ -15,16 +15,21 @@ from dataclasses import dataclass
 
 from chunkcache.core.corpus import CorpusChunk, topics
 
-QUESTION_TEMPLATES = (
+# Questions about a chunk by its title only: what a reader of the demo can follow.
+TITLE_QUESTIONS = (
     "What does {title} do?",
     "How do I use {title}?",
     "Explain {title} with an example.",
     "What arguments does {title} take?",
     "When should I use {title}?",
+)
+# Questions quoting a few words of the chunk (:func:`random_phrase`).
+QUOTE_QUESTIONS = (
     "In {topic}, what does it mean that {phrase}?",
     "Why does {title} say {phrase}?",
     "{phrase}: how does that work in {topic}?",
 )
+QUESTION_TEMPLATES = TITLE_QUESTIONS + QUOTE_QUESTIONS
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class WorkloadConfig:
     conversations_per_s: float = 2.0
     think_time_s: float = 5.0
     seed: int = 0
+    templates: tuple[str, ...] = QUESTION_TEMPLATES  # str.format with title, topic, phrase
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
@@ -72,6 +78,8 @@ def multi_turn_trace(chunks: Sequence[CorpusChunk], config: WorkloadConfig) -> l
     """Turns of ``config.num_conversations`` conversations, sorted by arrival time."""
     if not 1 <= config.min_turns <= config.max_turns:
         raise ValueError("need 1 <= min_turns <= max_turns")
+    if not config.templates:
+        raise ValueError("need at least one question template")
     rng = random.Random(config.seed)
     by_topic = topics(chunks)
     if not by_topic:
@@ -92,7 +100,7 @@ def multi_turn_trace(chunks: Sequence[CorpusChunk], config: WorkloadConfig) -> l
             candidates = by_topic[topic]
             weights = zipf_weights(len(candidates), config.chunk_zipf_s)
             chunk = rng.choices(candidates, weights=weights)[0]
-            question = rng.choice(QUESTION_TEMPLATES).format(
+            question = rng.choice(config.templates).format(
                 title=chunk.title, topic=topic, phrase=random_phrase(chunk, rng)
             )
             turns.append(Turn(f"conv-{number:05d}", turn_index, question, topic, arrival))
