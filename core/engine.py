@@ -44,6 +44,11 @@ the earlier request's variants alone it was 0.020, and in that set-up ranking a 
 tokens by their stored attention to the part of the old context the request lost or
 reordered, rather than to all of it (Eq. 14), gave 0.0137 against 0.0136 on 16 prompts;
 reading the metadata on every layer rather than every 4th, 0.0174 against 0.0175 on 8.
+In the first set-up, weighting each token's rank by the question's attention to it (taken
+from the full prefill, an oracle) gave 0.0248 against 0.0244 on 6 prompts, and choosing
+twice the fix tokens by the stored attention, then keeping the half of highest layer-1 V
+deviation (CacheBlend's check on Cache-Craft's candidates, same token-layers), 0.034
+against 0.033 on 8.
 An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
 token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
 that to 0.052.
