@@ -33,7 +33,12 @@ from chunkcache.core.craft_probe import (
 )
 from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.models import LoadedModel
-from chunkcache.core.recompute import RecomputeResult, blend_share, recompute_rows
+from chunkcache.core.recompute import (
+    RecomputeResult,
+    blend_share,
+    kv_write_share,
+    recompute_rows,
+)
 from chunkcache.kernels.kv import SeqKV
 
 
@@ -68,13 +73,15 @@ def choose_variant(
     return variants[best], cfo
 
 
-def fix_slots(placed: Sequence[PlacedChunk], ratio: float, num_layers: int) -> list[int]:
+def fix_slots(placed: Sequence[PlacedChunk], ratio: float, lm: LoadedModel) -> list[int]:
     """The reused slots to recompute: each chunk's top ``ceil(CFO * |C|)`` tokens (Eq. 14),
-    all counts shrunk in proportion when they exceed the budget: the token-layers
-    ``cacheblend`` spends at ``ratio`` (:func:`blend_share`), as tokens run on every layer."""
+    all counts shrunk in proportion when they exceed the budget: the compute ``cacheblend``
+    spends at ``ratio`` (:func:`blend_share` with :func:`kv_write_share`), as tokens run
+    on every layer."""
     num_reused = sum(len(p.slots) for p in placed)
     wants = [num_fix_tokens(p.cfo, p.span.num_tokens) for p in placed]
-    budget = math.floor(round(blend_share(ratio, num_layers) * num_reused, 9))
+    share = blend_share(ratio, lm.spec.num_layers, kv_write_share(lm))
+    budget = math.floor(round(share * num_reused, 9))
     chosen: list[int] = []
     for p, count in zip(placed, fit_budget(wants, budget), strict=True):
         reused = set(p.slots)
@@ -101,7 +108,7 @@ def craft_recompute(
     computed fresh (their metadata is read); ``ratio`` caps the recomputed share.
     """
     # computed: [C] long slots; ids: [S] long
-    chosen = fix_slots(placed, ratio, lm.spec.num_layers)
+    chosen = fix_slots(placed, ratio, lm)
     chosen_slots = torch.tensor(chosen, dtype=torch.long, device=computed.device)  # [N]
     layers = config.meta_layers(lm.spec.num_layers)
     meta = MetaProbe(fresh, spans, layers, config.sink_tokens) if fresh else None

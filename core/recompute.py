@@ -208,15 +208,37 @@ class GradualFilter:
         run.finish(rows, h[rows.keep_reused_rows(reused_rows[top])])
 
 
-def blend_share(ratio: float, num_layers: int) -> float:
-    """The share of the reused tokens that, recomputed on every layer, costs the token-layers
+def kv_write_share(lm: LoadedModel) -> float:
+    """The share of a row's matmul work in a decoder layer that is its K and V projections:
+    what a check layer spends on a row it then drops (SmolLM2: 0.0625).  Attention scores
+    are left out, so a dropped row counts a little more than it costs."""
+    layer = lm.decoder.layers[0]
+    kv = layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
+    return kv / sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+
+
+def blend_share(ratio: float, num_layers: int, kv_share: float = 1.0) -> float:
+    """The share of the reused tokens that, recomputed on every layer, costs what
     :func:`recompute` spends at ``ratio``: its first layers run every reused row and its
-    check layers filter them down gradually (0.209 at 0.15 over 30 layers)."""
+    check layers filter them down gradually.
+
+    A check layer writes the K/V of every row it gets (``kv_share`` of a layer each) and
+    finishes the rows it keeps.  ``kv_share`` 1.0 counts token-layers, every row a check
+    layer writes as a whole layer (0.209 at 0.15 over 30 layers); :func:`kv_write_share`
+    counts compute (0.183 for SmolLM2)."""
     if ratio <= 0 or ratio >= 1:
         return min(1.0, max(0.0, ratio))
     gradual = [min(1.0, share * ratio) for share in GRADUAL_FILTER]
-    shares = [1.0] * (FIRST_CHECK_LAYER + 1) + gradual  # rows running each layer; the last holds
-    return sum(shares[min(layer, len(shares) - 1)] for layer in range(num_layers)) / num_layers
+    entering = [1.0] * (FIRST_CHECK_LAYER + 1) + gradual  # rows entering each layer
+    checks = range(FIRST_CHECK_LAYER, FIRST_CHECK_LAYER + len(GRADUAL_FILTER))
+
+    def cost(layer: int) -> float:
+        rows = entering[min(layer, len(entering) - 1)]
+        if layer not in checks:
+            return rows
+        return kv_share * rows + (1 - kv_share) * entering[layer + 1]  # kept: the next's
+
+    return sum(cost(layer) for layer in range(num_layers)) / num_layers
 
 
 @torch.no_grad()

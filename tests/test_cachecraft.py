@@ -29,7 +29,7 @@ from chunkcache.core.craft_probe import MetaProbe, Span
 from chunkcache.core.engine import ChunkEngine, TokenSegment
 from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.models import LoadedModel
-from chunkcache.core.recompute import blend_share
+from chunkcache.core.recompute import blend_share, kv_write_share
 from chunkcache.kernels.layer import Probe, Rows, layer_step, layer_step_probed
 
 NO_FOCUS = CraftConfig(focus_window=None)
@@ -319,7 +319,7 @@ def test_stats_add_up(lm: LoadedModel, ratio: float) -> None:
     assert total == stats.prompt_tokens
     reused = len(A.ids) + len(B.ids)
     wanted = sum(num_fix_tokens(cfo, 17) for cfo in stats.extra["craft_cfo"])
-    budget = math.floor(blend_share(ratio, lm.spec.num_layers) * reused)
+    budget = math.floor(blend_share(ratio, lm.spec.num_layers, kv_write_share(lm)) * reused)
     assert stats.recomputed_tokens == min(wanted, budget)
     assert stats.recomputed_tokens > 0
     share = (stats.computed_tokens + stats.recomputed_tokens) / stats.prompt_tokens

@@ -10,7 +10,13 @@ from tiny_models import tiny_hf_model, tiny_lm, tiny_tokenizer
 
 from chunkcache.core.model_forward import embed, prefill, run_layers
 from chunkcache.core.models import LoadedModel
-from chunkcache.core.recompute import FIRST_CHECK_LAYER, GRADUAL_FILTER, blend_share, recompute
+from chunkcache.core.recompute import (
+    FIRST_CHECK_LAYER,
+    GRADUAL_FILTER,
+    blend_share,
+    kv_write_share,
+    recompute,
+)
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows, layer_step
 
@@ -73,6 +79,27 @@ def test_blend_share_is_what_recompute_spends(ratio: float) -> None:
     # each gradual step keeps ceil(share * R) rows: at most one row per layer more
     assert blend_share(ratio, layers) <= spent <= blend_share(ratio, layers) + 1 / 219
     assert blend_share(0.15, 30) == pytest.approx((2 + 1.5 * 0.15 + 27 * 0.15) / 30)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kv_write_share_is_the_kv_projections_share_of_a_layers_matmuls(kind: str) -> None:
+    config = tiny_hf_model(kind).config
+    e, d = config.hidden_size, config.hidden_size // config.num_attention_heads
+    q_o = 2 * e * config.num_attention_heads * d
+    kv = 2 * e * config.num_key_value_heads * d
+    mlp = 3 * e * config.intermediate_size
+    assert kv_write_share(tiny_lm(kind)) == pytest.approx(kv / (q_o + kv + mlp))
+
+
+def test_blend_share_counts_a_check_layers_dropped_rows_at_their_kv_cost() -> None:
+    k = 0.0625  # SmolLM2's kv_write_share
+    # layer 0 whole; layer 1 writes every row's K/V and finishes 1.5r; layer 2 writes 1.5r
+    # and finishes r; the 27 layers after run r
+    check_1, check_2 = k + (1 - k) * 0.225, k * 0.225 + (1 - k) * 0.15
+    expected = (1 + check_1 + check_2 + 27 * 0.15) / 30
+    assert blend_share(0.15, 30, k) == pytest.approx(expected)
+    assert blend_share(0.15, 30, k) < blend_share(0.15, 30)  # compute below token-layers
+    assert blend_share(0.15, 30, 0.0) == pytest.approx((1 + 0.225 + 0.15 + 27 * 0.15) / 30)
 
 
 def test_values_depend_on_the_context_from_the_first_check_layer_on() -> None:
