@@ -43,7 +43,7 @@ class CraftConfig:
     once the question's focused chunks hold for w layers, the other chunks' rows stop
     (§3.2.2).  Off (None) by default: on SmolLM2 it found its set within the first few
     layers and multiplied the teacher-forced KL against full prefill several times over
-    (see the cachecraft notes in the engine docstring).
+    (docs/engine.md).
     """
 
     alpha: float = 1.0

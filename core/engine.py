@@ -24,36 +24,14 @@ attention to the chunk's old context, CFO = alpha * CCI * (1 - beta') with
 check layers write every row's K/V, so on SmolLM2 0.15 buys 18.3% of the reused
 tokens on every one of 30 layers, :func:`~chunkcache.core.recompute.blend_share`):
 over the cap, every chunk's count shrinks in proportion; 1.0 is the paper's uncapped
-rule.  Counted in token-layers instead (a check layer's K/V write as a whole layer),
-the cap was 20.9%, and cachecraft's TTFT 1.07x cacheblend 0.15's.  Chunks it computes fresh
-get the metadata CFO needs (CCI, per-token scores, context), read on every 4th layer;
-variants stored by other policies have none and score CFO = min(1, alpha), their
-first tokens recomputed.  Early termination on the question's focused chunks
-(Algorithm 1) is behind ``CraftConfig.focus_window``, off by default.
+rule.  Chunks it computes fresh get the metadata CFO needs (CCI, per-token scores,
+context), read on every 4th layer; variants stored by other policies have none and
+score CFO = min(1, alpha), their first tokens recomputed.  Early termination on the
+question's focused chunks (Algorithm 1) is behind ``CraftConfig.focus_window``, off by
+default.
 
-Measured on SmolLM2 (``chunkcache bench engine``, docs/benchmarks/engine.md: float32,
-50 RAG prompts of 5 chunks cached after the system prompt, teacher-forced KL against full
-prefill along its 32-token answer): reuse 0.074, cacheblend 0.15 0.040 at 22.7% of
-token-layers, cacheblend 0.30 0.026 at 36.1%, cachecraft 0.038 at 22.6% (lower than
-cacheblend 0.15 on 60% of the prompts; capped at 15% of the reused tokens instead, 0.043 at
-17.2%).  Choosing tokens within each chunk by layer-1 V deviation (CFO only sharing the
-budget out) gave 0.047 on 8 of those prompts, where the stored attention gave 0.033.
-With every chunk also cached by an earlier request that held the chunks in another
-order (the ``quality-reordered`` part: two variants per chunk, so CFO's variant choice
-runs): reuse 0.050, cacheblend 0.15 0.021 at 22.7%, 0.30 0.013 at 36.1%, cachecraft
-0.018 at 22.6% (lower than cacheblend 0.15 on 68% of prompts, than 0.30 on 38%); with
-the earlier request's variants alone it was 0.020, and in that set-up ranking a chunk's
-tokens by their stored attention to the part of the old context the request lost or
-reordered, rather than to all of it (Eq. 14), gave 0.0137 against 0.0136 on 16 prompts;
-reading the metadata on every layer rather than every 4th, 0.0174 against 0.0175 on 8.
-In the first set-up, weighting each token's rank by the question's attention to it (taken
-from the full prefill, an oracle) gave 0.0248 against 0.0244 on 6 prompts, and choosing
-twice the fix tokens by the stored attention, then keeping the half of highest layer-1 V
-deviation (CacheBlend's check on Cache-Craft's candidates, same token-layers), 0.034
-against 0.033 on 8.
-An earlier 16-prompt run put cachecraft uncapped (alpha 1) at 0.007 for 66% of
-token-layers; Algorithm 1 with w = 3 settled at layer 2 of 30 on most prompts and raised
-that to 0.052.
+What each policy computes and buys on SmolLM2, where ``cacheblend``'s TTFT goes, and
+what was tried for ``cachecraft``: docs/engine.md.
 """
 
 from __future__ import annotations
