@@ -12,7 +12,8 @@ under its own policy, so its variants carry the CFO metadata):
   policies that take the most recent variant place that one; ``cachecraft`` picks the
   variant of lowest CFO (Cache-Craft §3.3), a choice ``system`` never offers.  Only the
   earlier request's chunk variants are kept, so the system prefix stays the only exact
-  hit and a chunk that kept its place is placed too (unmoved, its KV exact).
+  hit and a chunk that kept its place is placed too (unmoved; its KV is exact only when
+  every chunk before it kept its place as well).
 
 Every policy reads the warmed store through :class:`ReadOnlyStore`, so one policy's new
 variants never serve another (a ``full`` run would otherwise store the whole prompt
