@@ -136,6 +136,16 @@ class ConversationLedger:
             self._expire(now)
             self._record(key, chunk_ids, now)
 
+    def replace(self, conversation_id: str, chunk_ids: Iterable[str]) -> None:
+        """Make ``chunk_ids`` the conversation's whole set, e.g. to match a history that
+        was trimmed or replaced, or that lost a failed turn's chunks."""
+        key = check_conversation_id(conversation_id)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._conversations.pop(key, None)
+            self._record(key, chunk_ids, now)
+
     def forget(self, conversation_id: str) -> bool:
         """Drop a conversation (e.g. when its history is cleared). True if it existed."""
         key = check_conversation_id(conversation_id)

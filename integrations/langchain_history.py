@@ -13,8 +13,13 @@ its answer, plus one new user message::
     system | user(chunks_1 + q_1) | ai(a_1) | user(chunks_2 + q_2) | ...
 
 With this layout ``dedupe="drop"`` is safe: every chunk the conversation has
-seen is still in the prompt.  It stops being safe when the history is trimmed
-or cleared: call ``cache.ledger.forget(session_id)`` when you do that.
+seen is still in the prompt.  Each turn's user message records its chunk ids
+(``additional_kwargs["chunk_ids"]``), and before every turn the conversation's
+ledger is reset to the chunks still in the history, so a chunk that left it
+(the history was trimmed, cleared or replaced, a turn failed, the process
+restarted over a persisted history) is sent again the next time it is retrieved.
+``max_history_turns`` trims the history so a long chat stays inside the context
+window (CRAFT §4.3 drops the earliest turns; their answers carry what they said).
 
 >>> chain = with_chunk_history(  # doctest: +SKIP
 ...     chunk_chat_prompt("Answer from the context.") | llm,
@@ -27,7 +32,7 @@ or cleared: call ``cache.ledger.forget(session_id)`` when you do that.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from langchain_core.chat_history import BaseChatMessageHistory
@@ -38,15 +43,19 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
+from chunkcache.integrations.langchain import ChunkCacheRetriever, conversation_id_from_config
+
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
     "chunk_chat_prompt",
+    "chunk_ids_in",
     "format_turn",
     "with_chunk_history",
 ]
 
 DEFAULT_TURN_TEMPLATE = "Context:\n{context}\n\nQuestion: {question}"
 DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
+CHUNK_IDS_KEY = "chunk_ids"  # in a turn's user message's additional_kwargs
 
 
 def format_turn(
@@ -89,6 +98,7 @@ def with_chunk_history(
     turn_key: str = "turn",
     turn_template: str = DEFAULT_TURN_TEMPLATE,
     document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
+    max_history_turns: int | None = None,
     **history_kwargs: Any,
 ) -> Runnable[dict[str, Any], Any]:
     """Wrap ``chain`` so each turn's chunks are stored in that turn's user message.
@@ -97,21 +107,13 @@ def with_chunk_history(
     ``turn_key`` (a one-message list holding this turn's chunks and question); see
     :func:`chunk_chat_prompt`.  The conversation id is the ``session_id`` that
     ``RunnableWithMessageHistory`` reads, passed to the retriever in the config.
+    ``max_history_turns`` (None: no limit) bounds the earlier turns a prompt carries:
+    past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
+    so the cached prefix breaks once every few turns rather than every turn.
     Extra keyword arguments go to ``RunnableWithMessageHistory``.
     """
-
-    def turn_messages(documents: list[Document], question: str) -> list[BaseMessage]:
-        text = format_turn(question, documents, turn_template, document_separator)
-        return [HumanMessage(content=text)]
-
-    def build_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
-        question = inputs[question_key]
-        return turn_messages(retriever.invoke(question, config), question)
-
-    async def abuild_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
-        question = inputs[question_key]
-        return turn_messages(await retriever.ainvoke(question, config), question)
-
+    if max_history_turns is not None and max_history_turns < 1:
+        raise ValueError(f"max_history_turns must be >= 1, got {max_history_turns}")
     with_history = RunnableWithMessageHistory(
         chain,
         get_session_history,
@@ -119,7 +121,79 @@ def with_chunk_history(
         history_messages_key=history_key,
         **history_kwargs,
     )
+    history_keys = [spec.id for spec in with_history.history_factory_config]
+
+    def session_history(config: RunnableConfig) -> BaseChatMessageHistory | None:
+        """The history ``with_history`` will use; None when the config lacks its keys."""
+        configurable = config.get("configurable", {})
+        if any(key not in configurable for key in history_keys):
+            return None  # RunnableWithMessageHistory reports the missing keys
+        if len(history_keys) == 1:
+            return get_session_history(configurable[history_keys[0]])
+        return get_session_history(**{key: configurable[key] for key in history_keys})
+
+    def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
+        conversation_id = conversation_id_from_config(config)
+        if isinstance(retriever, ChunkCacheRetriever) and conversation_id is not None:
+            retriever.cache.ledger.replace(conversation_id, chunk_ids_in(messages))
+
+    def prepare(config: RunnableConfig) -> None:
+        history = session_history(config)
+        if history is None:
+            return
+        messages = history.messages
+        kept = _trimmed(messages, max_history_turns)
+        if len(kept) < len(messages):
+            history.clear()
+            history.add_messages(kept)
+        sync_ledger(kept, config)
+
+    async def aprepare(config: RunnableConfig) -> None:
+        history = session_history(config)
+        if history is None:
+            return
+        messages = await history.aget_messages()
+        kept = _trimmed(messages, max_history_turns)
+        if len(kept) < len(messages):
+            await history.aclear()
+            await history.aadd_messages(kept)
+        sync_ledger(kept, config)
+
+    def turn_messages(documents: list[Document], question: str) -> list[BaseMessage]:
+        text = format_turn(question, documents, turn_template, document_separator)
+        chunk_ids = [doc.metadata["chunk_id"] for doc in documents if "chunk_id" in doc.metadata]
+        return [HumanMessage(content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids})]
+
+    def build_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+        prepare(config)
+        question = inputs[question_key]
+        return turn_messages(retriever.invoke(question, config), question)
+
+    async def abuild_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+        await aprepare(config)
+        question = inputs[question_key]
+        return turn_messages(await retriever.ainvoke(question, config), question)
+
     add_turn = RunnablePassthrough.assign(
         **{turn_key: RunnableLambda(build_turn, afunc=abuild_turn)}
     )
     return add_turn | with_history
+
+
+def chunk_ids_in(messages: Sequence[BaseMessage]) -> list[str]:
+    """The chunk ids the turns' user messages in ``messages`` recorded, in order."""
+    return [
+        chunk_id
+        for message in messages
+        if isinstance(message, HumanMessage)
+        for chunk_id in message.additional_kwargs.get(CHUNK_IDS_KEY, ())
+    ]
+
+
+def _trimmed(messages: list[BaseMessage], max_turns: int | None) -> list[BaseMessage]:
+    """``messages`` less the oldest turns (a turn starts at a user message) when they
+    hold more than ``max_turns``; then the newest ``(max_turns + 1) // 2`` stay."""
+    starts = [i for i, message in enumerate(messages) if isinstance(message, HumanMessage)]
+    if max_turns is None or len(starts) <= max_turns:
+        return messages
+    return messages[starts[len(starts) - (max_turns + 1) // 2] :]

@@ -274,9 +274,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
 
     def _sync_ledger(self) -> None:
         """Make the conversation's ledger entry exactly the chunks still in the history."""
-        ledger = self._retriever.cache.ledger
-        ledger.forget(self._conversation_id)
-        ledger.record(self._conversation_id, [c for turn in self._turns for c in turn.chunk_ids])
+        chunk_ids = [c for turn in self._turns for c in turn.chunk_ids]
+        self._retriever.cache.ledger.replace(self._conversation_id, chunk_ids)
 
 
 def _assistant(text: str) -> ChatMessage:

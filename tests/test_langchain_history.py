@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from typing import Any
 
+import pytest
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import RunnableConfig, RunnableLambda
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
 from chunkcache.core import ChunkCache
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_history import (
     chunk_chat_prompt,
+    chunk_ids_in,
     format_turn,
     with_chunk_history,
 )
@@ -35,29 +39,54 @@ class WindowRetriever(BaseRetriever):
         return [Document(page_content=t) for t in TEXTS[start : start + 3]]
 
 
-def run_conversation(questions: list[str], dedupe: DedupeMode = "drop") -> list[list[BaseMessage]]:
-    histories: dict[str, InMemoryChatMessageHistory] = {}
-    prompts: list[list[BaseMessage]] = []
+class Conversation:
+    """One LangChain chat in the multi-turn layout over :class:`WindowRetriever`."""
 
-    def record(prompt: PromptValue) -> PromptValue:
-        prompts.append(prompt.to_messages())
+    def __init__(
+        self,
+        dedupe: DedupeMode = "drop",
+        llm: Runnable[Any, Any] | None = None,
+        histories: dict[str, InMemoryChatMessageHistory] | None = None,
+        **layout: Any,
+    ) -> None:
+        self.histories = {} if histories is None else histories
+        self.prompts: list[list[BaseMessage]] = []
+        self.retriever = ChunkCacheRetriever(
+            base_retriever=WindowRetriever(), cache=ChunkCache(), dedupe=dedupe
+        )
+        llm = llm or FakeListChatModel(responses=[f"answer {i}" for i in range(50)])
+        self.chain = with_chunk_history(
+            chunk_chat_prompt("Answer from the context.") | RunnableLambda(self._record) | llm,
+            self.retriever,
+            lambda sid: self.histories.setdefault(sid, InMemoryChatMessageHistory()),
+            **layout,
+        )
+
+    def _record(self, prompt: PromptValue) -> PromptValue:
+        self.prompts.append(prompt.to_messages())
         return prompt
 
-    retriever = ChunkCacheRetriever(
-        base_retriever=WindowRetriever(),
-        cache=ChunkCache(),
-        dedupe=dedupe,
-    )
-    llm = FakeListChatModel(responses=[f"answer {i}" for i in range(len(questions))])
-    chain = with_chunk_history(
-        chunk_chat_prompt("Answer from the context.") | RunnableLambda(record) | llm,
-        retriever,
-        lambda sid: histories.setdefault(sid, InMemoryChatMessageHistory()),
-    )
-    config = RunnableConfig(configurable={"session_id": "conv-1"})
-    for question in questions:
-        chain.invoke({"question": question}, config=config)
-    return prompts
+    def ask(self, *questions: str) -> None:
+        for question in questions:
+            self.chain.invoke({"question": question}, config=CONFIG)
+
+    def history(self) -> list[BaseMessage]:
+        return self.histories["conv-1"].messages
+
+
+CONFIG = RunnableConfig(configurable={"session_id": "conv-1"})
+
+
+def run_conversation(questions: list[str], dedupe: DedupeMode = "drop") -> list[list[BaseMessage]]:
+    conversation = Conversation(dedupe)
+    conversation.ask(*questions)
+    return conversation.prompts
+
+
+def facts_in(prompt: list[BaseMessage]) -> list[str]:
+    """The facts in ``prompt``, once per occurrence, in :data:`TEXTS` order."""
+    text = "\n".join(str(m.content) for m in prompt)
+    return [fact for fact in TEXTS for _ in range(text.count(fact))]
 
 
 def test_each_prompt_extends_the_previous_one() -> None:
@@ -83,3 +112,66 @@ def test_format_turn_keeps_chunk_text_verbatim() -> None:
     docs = [Document(page_content="a  {b}\n"), Document(page_content="ü")]
     text = format_turn("why?", docs)
     assert "a  {b}\n" in text and "ü" in text and text.endswith("Question: why?")
+
+
+def test_each_turn_records_its_chunk_ids_in_its_user_message() -> None:
+    conversation = Conversation()
+    conversation.ask("0", "2")
+    recorded = chunk_ids_in(conversation.history())
+    assert len(recorded) == 5  # facts 0-2, then 3-4 (fact 2 was already there)
+    assert conversation.retriever.cache.ledger.seen("conv-1") == set(recorded)
+
+
+def test_a_failed_turn_loses_no_chunk() -> None:
+    """The retriever records a turn's chunks before the model runs; a failure must
+    not leave them in the ledger, or the next turn would drop them unsent."""
+    replies = iter(["answer 0", None, "answer 2"])
+
+    def flaky(prompt: PromptValue) -> AIMessage:
+        reply = next(replies)
+        if reply is None:
+            raise RuntimeError("the model failed")
+        return AIMessage(content=reply)
+
+    conversation = Conversation(llm=RunnableLambda(flaky))
+    conversation.ask("0")
+    with pytest.raises(RuntimeError):
+        conversation.ask("3")
+    conversation.ask("3")
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:6]
+
+
+def test_max_history_turns_trims_oldest_turns_and_resends_their_chunks() -> None:
+    conversation = Conversation(max_history_turns=2)
+    conversation.ask("0", "3", "6")  # three turns: over the limit before the next one
+    conversation.ask("0")
+    last = conversation.prompts[-1]
+    # The two oldest turns went in one step; facts 0-2 left with them and come back.
+    assert facts_in(last) == TEXTS[:3] + TEXTS[6:9]
+    assert len(last) == 1 + 2 + 1  # system, the kept turn and its answer, this turn
+    assert all(len(prompt) <= 1 + 2 * 2 + 1 for prompt in conversation.prompts)
+
+
+def test_max_history_turns_trims_in_async_chains_too() -> None:
+    conversation = Conversation(max_history_turns=1)
+
+    async def chat() -> None:
+        for question in ("0", "3", "0"):
+            await conversation.chain.ainvoke({"question": question}, config=CONFIG)
+
+    asyncio.run(chat())
+    assert [len(prompt) for prompt in conversation.prompts] == [2, 4, 4]
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:6]
+
+
+def test_a_persisted_history_restores_dedupe_in_a_new_process() -> None:
+    histories: dict[str, InMemoryChatMessageHistory] = {}
+    Conversation(histories=histories).ask("0")
+    restarted = Conversation(histories=histories)  # a fresh cache: an empty ledger
+    restarted.ask("1")
+    assert facts_in(restarted.prompts[-1]) == TEXTS[:4]
+
+
+def test_max_history_turns_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_history_turns"):
+        Conversation(max_history_turns=0)

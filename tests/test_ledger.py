@@ -73,6 +73,15 @@ def test_drop_leaves_out_chunks_of_earlier_turns() -> None:
     assert third.dropped == ["C4", "C1"]
 
 
+def test_replace_makes_the_given_ids_the_whole_set() -> None:
+    ledger = ConversationLedger()
+    ledger.apply("conv", ["C1", "C2"], "drop")
+    ledger.replace("conv", ["C2", "C3"])
+    assert ledger.seen("conv") == {"C2", "C3"}
+    ledger.replace("new", [])
+    assert "new" in ledger and ledger.seen("new") == frozenset()
+
+
 def test_drop_is_scoped_to_one_conversation() -> None:
     ledger = ConversationLedger()
     ledger.apply("alice", ["C1", "C2"], "drop")
