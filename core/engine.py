@@ -135,15 +135,21 @@ class ChunkEngine:
 
         A tiered store reports this request's hits and loads per tier in
         ``stats.extra["store"]`` and learns the prefill's cost per token (PGDSF).  A stored
-        layer found corrupt mid-prefill (read lazily from disk) runs the request once more.
+        layer found corrupt mid-prefill (read lazily from disk) runs the request again.
         """
         started = time.perf_counter()
         run = functools.partial(self._prefill, segments, policy, ratio, conversation_id, reserve)
+        # A layer read mid-prefill that fails its checksum raises after the store dropped
+        # its entry, so each rerun has one hit fewer: one run per segment, plus one, ends it.
+        attempts = len(segments) + 1
         with track_store(self.store) as usage:
-            try:
-                prefilled, stored = run(usage)
-            except CorruptEntryError:  # a layer read mid-prefill failed its checksum: the
-                prefilled, stored = run(usage)  # store dropped that entry, now it is a miss
+            for attempt in range(attempts):
+                try:
+                    prefilled, stored = run(usage)
+                    break
+                except CorruptEntryError:
+                    if attempt + 1 == attempts:
+                        raise
         stats = prefilled.stats
         stats.extra["store"] = usage.as_dict()
         new_tokens = stats.computed_tokens + stats.recomputed_tokens

@@ -171,32 +171,35 @@ def test_layers_are_read_only_as_compute_reaches_them(
     assert events.index(("read", NUM_LAYERS - 1)) > events.index(("compute", NUM_LAYERS - 2))
 
 
+@pytest.mark.parametrize("corrupt", [("a",), ("a", "b")])
 @pytest.mark.parametrize("piped", [True, False])
 def test_a_corrupt_layer_found_mid_prefill_reruns_the_request_without_it(
-    lm: LoadedModel, tmp_path: Path, piped: bool
+    lm: LoadedModel, tmp_path: Path, piped: bool, corrupt: tuple[str, ...]
 ) -> None:
     write_chunks(lm, tmp_path / "kv", "reuse")
-    for name in ("bad", "without_a"):
+    for name in ("bad", "without"):
         shutil.copytree(tmp_path / "kv", tmp_path / name)
-    bad_file = data_file(tmp_path / "bad", "a")
-    flip_in_layer(bad_file, "v", NUM_LAYERS - 2)  # layers 0..3 pass: found mid-prefill
-    gone = data_file(tmp_path / "without_a", "a")
-    gone.with_suffix(".json").unlink()
-    gone.unlink()
+    bad_files = [data_file(tmp_path / "bad", segment) for segment in corrupt]
+    for bad_file in bad_files:
+        flip_in_layer(bad_file, "v", NUM_LAYERS - 2)  # layers 0..3 pass: found mid-prefill
+    for segment in corrupt:
+        gone = data_file(tmp_path / "without", segment)
+        gone.with_suffix(".json").unlink()
+        gone.unlink()
 
     store = host_and_disk(tmp_path / "bad")
-    bad = run(lm, store, "reuse", piped)
-    expected = run(lm, host_and_disk(tmp_path / "without_a"), "reuse", piped)
+    bad = run(lm, store, "reuse", piped)  # one rerun per corrupt entry
+    expected = run(lm, host_and_disk(tmp_path / "without"), "reuse", piped)
 
-    assert store.metrics()["corrupt_dropped"] == 1
-    assert bad.stats.extra["store"]["tiers"]["disk"]["corrupt_dropped"] == 1
-    assert not bad_file.exists() and not bad_file.with_suffix(".json").exists()
-    assert (bad.stats.chunk_hits, bad.stats.chunk_misses) == (1, 1)  # A recomputed
+    assert store.metrics()["corrupt_dropped"] == len(corrupt)
+    assert bad.stats.extra["store"]["tiers"]["disk"]["corrupt_dropped"] == len(corrupt)
+    assert not any(f.exists() or f.with_suffix(".json").exists() for f in bad_files)
+    assert (bad.stats.chunk_hits, bad.stats.chunk_misses) == (2 - len(corrupt), len(corrupt))
     assert torch.equal(bad.logits, expected.logits)
     assert torch.equal(bad.kv.keys(), expected.kv.keys())
-    # the recomputed A was stored again, sound: the next request hits both
+    # the recomputed chunks were stored again, sound: the next request hits both
     assert run(lm, store, "reuse", piped).stats.chunk_hits == 2
-    assert store.metrics()["corrupt_dropped"] == 1
+    assert store.metrics()["corrupt_dropped"] == len(corrupt)
 
 
 def test_a_corrupt_layer_raises_before_it_is_handed_out(tmp_path: Path) -> None:
