@@ -18,7 +18,7 @@ from test_store_support import FP, make_variant, same_kv, tree_bytes
 from chunkcache.core.craft import CraftMeta
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 from chunkcache.core.store import DiskTier, TieredKVStore
-from chunkcache.core.store.codec import namespace_of
+from chunkcache.core.store.codec import EntryKey, namespace_of
 from chunkcache.core.store.disk import LAYOUT
 
 TESTS = Path(__file__).parent
@@ -76,13 +76,21 @@ def test_entries_survive_a_restart_with_metadata(tmp_path: Path) -> None:
     assert not any("chunk" in n or "plain" in n or "ctx" in n for n in names)  # hashes only
 
 
-@pytest.mark.parametrize("part", ["data", "header", "truncated"])
+@pytest.mark.parametrize("part", ["data", "header", "truncated", "data deleted"])
 def test_a_damaged_entry_is_dropped_counted_and_missed(tmp_path: Path, part: str) -> None:
     store = disk_store(tmp_path)
     a = make_variant("a", num_tokens=8)
     store.put(FP, a)
     (data,) = stored_files(tmp_path, ".safetensors")
     (header,) = stored_files(tmp_path, ".json")
+    if part == "data deleted":  # while a process has the tier open: it finds out on read
+        data.unlink()
+        assert a_key(store) not in store.tiers[0]
+        assert store.exact(FP, "a", "root") is None
+        assert store.metrics()["corrupt_dropped"] == 1 and not header.exists()
+        store.put(FP, a)
+        assert same_kv(disk_store(tmp_path).exact(FP, "a", "root"), a)
+        return
     if part == "data":
         raw = bytearray(data.read_bytes())
         raw[-5] ^= 0x01  # one bit of one tensor element
@@ -99,6 +107,49 @@ def test_a_damaged_entry_is_dropped_counted_and_missed(tmp_path: Path, part: str
     assert not data.exists() and not header.exists()
     reopened.put(FP, a)  # recomputed and stored again
     assert same_kv(disk_store(tmp_path).exact(FP, "a", "root"), a)
+
+
+def a_key(store: TieredKVStore) -> EntryKey:
+    (key,) = store.tiers[0].entry_keys()
+    return key
+
+
+def test_damaged_bookkeeping_files_are_repaired_on_open(tmp_path: Path) -> None:
+    """A header whose data was deleted, a temp file of no writer, a garbled ``.epoch``."""
+    store = disk_store(tmp_path)
+    store.put(FP, make_variant("a"))
+    (data,) = stored_files(tmp_path, ".safetensors")
+    data.unlink()
+    stray = data.with_name(".tmp.partial")
+    stray.write_bytes(b"x")
+    (tmp_path / ".epoch").write_bytes(b"\xff\xfe garbage")
+    reopened = disk_store(tmp_path)
+    assert [p for p in (tmp_path / LAYOUT).rglob("*") if p.is_file()] == []
+    assert len(reopened.tiers[0]) == 0 and reopened.tiers[0].num_bytes == 0
+    b = make_variant("b")
+    reopened.put(FP, b)
+    assert same_kv(disk_store(tmp_path).exact(FP, "b", "root"), b)
+
+
+def test_a_write_that_fails_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk: the temp files written so far are removed, nothing is committed."""
+    store = disk_store(tmp_path)
+    fsync = os.fsync
+    calls = iter(range(2))
+
+    def full_on_second_file(fd: int) -> None:
+        if next(calls, 1) == 1:
+            raise OSError(28, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_on_second_file)
+    store.put(FP, make_variant("a"))  # the data temp is written, the header's fails
+    monkeypatch.undo()
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != tmp_path] == []
+    assert store.metrics()["tiers"]["disk"]["errors"] == 1
+    assert len(disk_store(tmp_path).tiers[0]) == 0
 
 
 def test_one_fingerprint_never_reads_another(tmp_path: Path) -> None:

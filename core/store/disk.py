@@ -11,10 +11,11 @@ The ``v2`` directory is the codec's format version (format 2: a checksum per lay
 header).  Directories of older formats are removed when a tier opens: their entries are
 misses, never read.
 
-A write goes to temp files first (fsync), then, under the lock, the old header is removed,
-the data renamed into place, then the header (the commit), then the directory fsynced.  A
-process killed at any point leaves either the old entry, no entry, or the new entry, plus at
-worst a data file without a header or a temp file, both swept on the next open.  Reads take
+A write goes to temp files first (fsync; removed if writing fails), then, under the lock,
+the old header is removed, the data renamed into place, then the header (the commit), then
+the directory fsynced.  A process killed at any point leaves either the old entry, no
+entry, or the new entry, plus at worst a data file without a header or a temp file, both
+swept on the next open (as is a header whose data someone deleted).  Reads take
 no lock.  :meth:`DiskTier.get` reads a whole entry and verifies its header and every layer
 (codec.decode).  :meth:`DiskTier.open_lazy` reads and verifies only the header and opens the
 data file; its layers are then read one at a time, each verified against its checksum as it
@@ -76,7 +77,7 @@ class DiskTier:
         return len(self._index)
 
     def __contains__(self, key: EntryKey) -> bool:
-        return self._index.paths(key)[1].exists()
+        return all(path.exists() for path in self._index.paths(key))
 
     def entry_keys(self) -> list[EntryKey]:
         return self._index.keys()
@@ -125,8 +126,13 @@ class DiskTier:
             return None
         data_path, header_path = self._index.paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        temps = (_write_temp(data_path, data), _write_temp(header_path, raw))
-        return PreparedWrite(key, len(data) + len(raw), temps)
+        tmp_data = _write_temp(data_path, data)
+        try:
+            tmp_header = _write_temp(header_path, raw)
+        except BaseException:
+            tmp_data.unlink(missing_ok=True)
+            raise
+        return PreparedWrite(key, len(data) + len(raw), (tmp_data, tmp_header))
 
     def commit(self, prepared: PreparedWrite, victim: Victim, evicted: Evicted) -> bool:
         """The quick part of :meth:`put`, under the lock: make room, rename into place."""
@@ -173,21 +179,25 @@ class DiskTier:
         return header, layers
 
     def _retrying(self, key: EntryKey, read: Callable[[], T]) -> T | None:
-        """``read()``; None if the entry is gone.  A corrupt verdict is checked once more
-        under the lock (a writer may have been replacing the entry), then the entry removed."""
+        """``read()``; None if the entry is gone.  A corrupt verdict, or a missing file, is
+        checked once more under the lock (a writer may have been replacing the entry, or
+        another process evicting it); a header still there without its data is corrupt.
+        A corrupt entry is removed."""
         try:
             return read()
-        except FileNotFoundError:
-            return None  # evicted by another process between lookup and read
-        except CorruptEntryError:
-            with self._index.locked():
-                try:
-                    return read()
-                except FileNotFoundError:
-                    return None
-                except CorruptEntryError:
-                    self._index.remove_files(key)
-                    raise
+        except (FileNotFoundError, CorruptEntryError):
+            pass
+        with self._index.locked():
+            try:
+                return read()
+            except FileNotFoundError as missing:
+                if not self._index.paths(key)[1].exists():
+                    return None  # evicted by another process between lookup and read
+                self._index.remove_files(key)
+                raise CorruptEntryError(f"header without its data: {missing}") from missing
+            except CorruptEntryError:
+                self._index.remove_files(key)
+                raise
 
     def _load_quietly(self, key: EntryKey) -> tuple[str, KVVariant] | None:
         """An entry with the fingerprint its header names (the key's namespace binds the two)."""
@@ -201,11 +211,16 @@ class DiskTier:
 
 
 def _write_temp(final: Path, payload: bytes) -> Path:
+    """``payload`` in a fsynced temp file beside ``final``; nothing left if writing fails."""
     tmp = final.with_name(f".tmp.{os.getpid()}.{threading.get_ident()}.{final.name}")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the partial file's space
+        raise
     return tmp
 
 

@@ -96,23 +96,36 @@ class DiskIndex:
         self._epoch = _read_epoch(self.root)
 
     def _sweep(self) -> None:
-        """Remove what a killed writer left (data without a header, dead writers' temp files)
-        and the directories of older formats."""
+        """Remove what a killed writer left (data without a header, dead writers' temp
+        files), headers whose data was deleted, and the directories of older formats."""
         for old in self.root.glob("v*"):
             version = old.name[1:]
             if old.is_dir() and version.isdigit() and int(version) < codec.FORMAT_VERSION:
                 shutil.rmtree(old, ignore_errors=True)
         for path in self.data_root.glob("*/*/*/*"):
             if path.name.startswith(".tmp."):
-                if not _alive(int(path.name.split(".")[2])):
+                if not _writer_alive(path.name):
                     path.unlink(missing_ok=True)
-            elif path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
+            elif path.suffix in (".safetensors", ".json") and not _pair(path).exists():
                 path.unlink(missing_ok=True)
 
 
+def _pair(path: Path) -> Path:
+    """An entry's other file: the header of a data file, the data of a header."""
+    return path.with_suffix(".json" if path.suffix == ".safetensors" else ".safetensors")
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process that names a ``.tmp.<pid>.<thread>.<name>`` file still runs."""
+    pid = temp_name.split(".")[2]
+    return pid.isdigit() and _alive(int(pid))
+
+
 def _read_epoch(root: Path) -> str:
+    """The directory's change counter; damaged bytes read as some value, which only means
+    a rescan (the next change writes a fresh one)."""
     try:
-        return (root / ".epoch").read_text()
+        return (root / ".epoch").read_bytes().decode("utf-8", "replace")
     except FileNotFoundError:
         return "0"
 
