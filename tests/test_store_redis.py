@@ -94,6 +94,48 @@ def test_a_tampered_blob_is_dropped_and_counted(server: tuple[str, object]) -> N
     assert client.get(key_a) is None and client.get(key_b) is None
 
 
+def test_garbage_under_the_tiers_keys_is_skipped_or_repaired(server: tuple[str, object]) -> None:
+    """What another program, or a half-finished old version, may leave under our keys."""
+    import redis
+
+    url, _ = server
+    client = redis.Redis.from_url(url)
+    tier = redis_tier(url)
+    store = TieredKVStore([tier])
+    a, b = make_variant("a"), make_variant("b", seed=1)
+    store.put(FP, a)
+    ns, seg, _ = _parts("a")
+    client.sadd(f"chunkcache:v1:{ns}:{seg}", b"\xff\xfe", b"not:a hash")
+    assert [same_kv(v, a) for v in store.variants(FP, "a")] == [True]
+    client.set("chunkcache:v1:bytes", "abc")
+    client.set("chunkcache:v1:clock", "?")
+    assert tier.num_bytes == 0  # damaged: reads as nothing, never raises
+    store.put(FP, b)
+    blobs = [client.strlen("chunkcache:v1:" + ":".join(_parts(s))) for s in "ab"]
+    assert tier.num_bytes == sum(blobs)  # rebuilt from the sizes, then b added
+    assert store.exact(FP, "b", "root") is not None
+    entry_b = "chunkcache:v1:" + ":".join(_parts("b"))
+    client.delete(entry_b)
+    client.hset(entry_b, "field", "value")  # a hash where b's blob was: no entry
+    assert entry_key(FP, "b", "root") not in tier
+    store.put(FP, b)
+    assert same_kv(store.exact(FP, "b", "root"), b)
+
+
+def test_a_key_of_the_wrong_type_fails_the_put_before_any_write(
+    server: tuple[str, object],
+) -> None:
+    import redis
+
+    url, _ = server
+    client = redis.Redis.from_url(url)
+    tier = redis_tier(url)
+    client.set("chunkcache:v1:lru", "not a sorted set")
+    TieredKVStore([tier]).put(FP, make_variant("a"))
+    assert tier.num_errors == 1
+    assert sorted(client.keys("chunkcache:*")) == [b"chunkcache:v1:lru"]  # nothing written
+
+
 def test_server_gone_mid_run_degrades_with_one_warning(
     server: tuple[str, object], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -33,13 +33,35 @@ from chunkcache.core.store.tier import Evicted, Victim
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Checks every key it will write before the first write (a script that fails midway keeps
+# what it wrote): a key of the wrong type fails the put untouched; a counter that is not a
+# number is rebuilt (the byte total from the sizes hash, the clock from the newest tick).
 _PUT = """
 local entry, segset, lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local blob, ctx, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local size = string.len(blob)
 if size > cap then return -1 end
-local old = redis.call('HGET', sizes, entry)
-if old then redis.call('DECRBY', total, old) end
+local expected = {[segset] = 'set', [lru] = 'zset', [sizes] = 'hash', [total] = 'string',
+                  [clock] = 'string'}
+for key, kind in pairs(expected) do
+  local found = redis.call('TYPE', key)['ok']
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply(key .. ' holds a ' .. found .. ', not a ' .. kind)
+  end
+end
+local stored = redis.call('GET', total)
+if stored and not tonumber(stored) then
+  local sum = 0
+  for _, v in ipairs(redis.call('HVALS', sizes)) do sum = sum + (tonumber(v) or 0) end
+  redis.call('SET', total, sum)
+end
+local tick = redis.call('GET', clock)
+if tick and not tonumber(tick) then
+  local newest = redis.call('ZRANGE', lru, -1, -1, 'WITHSCORES')[2]
+  redis.call('SET', clock, math.floor(tonumber(newest) or 0))
+end
+local old = tonumber(redis.call('HGET', sizes, entry) or '0') or 0
+redis.call('DECRBY', total, old)
 redis.call('SET', entry, blob)
 redis.call('SADD', segset, ctx)
 redis.call('HSET', sizes, entry, size)
@@ -117,13 +139,19 @@ class RedisTier:
 
     @property
     def num_bytes(self) -> int:
-        return int(self._guard(lambda: self._client.get(self._k("bytes")) or 0, 0))
+        """The tier's byte total; 0 while the counter is damaged (the next put rebuilds it)."""
+        stored = self._guard(lambda: self._client.get(self._k("bytes")), None)
+        try:
+            return int(stored or 0)
+        except ValueError:
+            return 0
 
     def __len__(self) -> int:
         return int(self._guard(lambda: self._client.hlen(self._k("sizes")), 0))
 
     def __contains__(self, key: EntryKey) -> bool:
-        return bool(self._guard(lambda: self._client.exists(self._entry(key)), 0))
+        # A key holding anything but a blob is no entry: a put replaces it.
+        return self._guard(lambda: self._client.type(self._entry(key)), b"none") == b"string"
 
     def entry_keys(self) -> list[EntryKey]:
         return []  # the server chooses victims
@@ -132,7 +160,7 @@ class RedisTier:
         members: set[bytes] = self._guard(
             lambda: self._client.smembers(self._k(namespace, segment)), set()
         )
-        return [EntryKey(namespace, segment, m.decode()) for m in members]
+        return [EntryKey(namespace, segment, m.decode()) for m in members if _is_hash(m)]
 
     def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
         entry = self._entry(key)
@@ -200,3 +228,8 @@ class RedisTier:
                 log.warning("Redis tier %s is back", self.name)
                 self._down_since = None
         return result
+
+
+def _is_hash(member: bytes) -> bool:
+    """Whether a segment set's member is a context hash (anything else is not ours)."""
+    return member.isascii() and member.isalnum()
