@@ -55,6 +55,22 @@ def chunk_id(text: str, namespace: str = "") -> str:
     return digest.hexdigest()
 
 
+def content_bound_id(label: str, text: str) -> str:
+    """The id a chunk's tokens and KV are cached under: ``label`` when it is the text's own
+    content id, else the text's content id within ``label`` as a namespace.
+
+    A caller-chosen id (a database key, an id reused after the document was edited, an id
+    another tenant picked) then never serves another text's tokens or KV.
+
+    >>> content_bound_id(chunk_id("hello"), "hello") == chunk_id("hello")
+    True
+    >>> content_bound_id("doc-7", "hello") == content_bound_id("doc-7", "hello, edited")
+    False
+    """
+    content = chunk_id(text)
+    return label if label == content else chunk_id(text, namespace=label)
+
+
 def validate_chunk_id(value: object) -> str:
     """Check a caller-supplied chunk id (e.g. ``metadata["chunk_id"]``) and return it."""
     if not isinstance(value, str):

@@ -4,6 +4,11 @@ Each segment is tokenized on its own, so a chunk has the same tokens wherever it
 sits in a prompt and its cached KV can be moved (CacheBlend §3).  A token that
 would have merged across a segment boundary is split there; every policy,
 ``full`` included, sees the same tokens, so quality comparisons isolate KV reuse.
+
+A chunk's segment id (its tokens' and its KV's key) is bound to its text
+(:func:`~chunkcache.core.chunk_ids.content_bound_id`): the caller's chunk id when
+that is the text's content id, else a content id scoped by it, so an id sent with
+another text than before is a miss, never the old text's tokens or KV.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from chunkcache.core.chunk_ids import content_bound_id
 from chunkcache.core.engine import TokenSegment
 from chunkcache.core.kv_store import segment_key
 from chunkcache.core.segmenter import ChunkSegment, Segment
@@ -43,22 +49,23 @@ class SegmentTokenizer:
         token_segments = []
         for segment in segments:
             if isinstance(segment, ChunkSegment):
-                ids = self._chunk_ids(segment)
-                token_segments.append(TokenSegment(segment.chunk_id, ids, is_chunk=True))
+                segment_id = content_bound_id(segment.chunk_id, segment.text)
+                ids = self._chunk_ids(segment_id, segment.text)
+                token_segments.append(TokenSegment(segment_id, ids, is_chunk=True))
             elif segment.text:
                 ids = self.encode(segment.text)
                 token_segments.append(TokenSegment(segment_key(ids), ids, is_chunk=False))
         return [segment for segment in token_segments if segment.ids]
 
-    def _chunk_ids(self, segment: ChunkSegment) -> tuple[int, ...]:
+    def _chunk_ids(self, segment_id: str, text: str) -> tuple[int, ...]:
         with self._lock:
-            ids = self._chunks.get(segment.chunk_id)
+            ids = self._chunks.get(segment_id)
             if ids is not None:
-                self._chunks.move_to_end(segment.chunk_id)
+                self._chunks.move_to_end(segment_id)
                 return ids
-        ids = self.encode(segment.text)
+        ids = self.encode(text)
         with self._lock:
-            self._chunks[segment.chunk_id] = ids
+            self._chunks[segment_id] = ids
             while len(self._chunks) > self.max_cached_chunks:
                 self._chunks.popitem(last=False)
         return ids

@@ -51,6 +51,30 @@ def test_policies_agree_on_an_exact_prefix(backend: LocalBackend) -> None:
     assert stats.computed_tokens == 1  # type: ignore[attr-defined]
 
 
+def test_a_chunk_id_sent_with_another_text_never_serves_the_old_one(
+    backend: LocalBackend,
+) -> None:
+    """A caller's id is bound to its text: an edited document, or another tenant's text
+    under the same id, is a miss computed from the text sent, never the old tokens or KV."""
+
+    def ask(text: str, policy: str) -> object:
+        request = GenerationRequest(
+            [TextSegment("system: answer. "), ChunkSegment("doc-7", text), TextSegment(" q?")],
+            sampling=SamplingParams(max_tokens=1),
+            policy=policy,  # type: ignore[arg-type]
+        )
+        return list(backend.stream(request))[-1].stats
+
+    old, new = "the old text of the doc " * 3, "another, longer and newer text of it " * 3
+    ask(old, "full")
+    edited = ask(new, "reuse")
+    expected = ask(new, "full")
+    assert (edited.chunk_hits, edited.chunk_misses) == (0, 1)  # type: ignore[attr-defined]
+    assert edited.prompt_tokens == expected.prompt_tokens  # type: ignore[attr-defined]
+    assert ask(new, "reuse").chunk_hits == 1  # type: ignore[attr-defined]
+    assert ask(old, "reuse").chunk_hits == 1  # the old text keeps its own entry
+
+
 def test_stop_checker_holds_back_a_possible_stop_prefix() -> None:
     checker = StopChecker(("STOP",))
     assert checker.split("abc ST") == ("abc", False)
