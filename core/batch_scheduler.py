@@ -49,6 +49,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting = JobQueue(starvation_window)
         self._running: list[Job] = []
+        self._starting = 0  # admitted, prefilling: in the batch's room, not in _running yet
         self._stopping = False
         self._counts = dict.fromkeys(COUNTERS, 0.0)
         self._service_s: deque[float] = deque(maxlen=32)  # recent admission-to-end times
@@ -60,12 +61,16 @@ class Scheduler:
         return self._thread.is_alive()
 
     def check_open(self) -> None:
-        """Raise :class:`ShuttingDownError` or :class:`QueueFullError` if a job would be refused."""
+        """Raise :class:`ShuttingDownError` or :class:`QueueFullError` if a job would be refused:
+        ``max_batch + max_queue`` jobs are in flight already (waiting jobs beyond
+        ``max_queue`` are those the batch has room for and has not admitted yet)."""
         with self._cond:
             if self._stopping:
                 self._counts["rejected_total"] += 1
                 raise ShuttingDownError("the backend is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            self._drop_cancelled_waiting()
+            batch_room = max(0, self.max_batch - len(self._running) - self._starting)
+            if len(self._waiting) >= self.max_queue + batch_room:
                 self._counts["rejected_total"] += 1
                 raise QueueFullError(
                     f"{len(self._waiting)} requests are waiting already", self._retry_after()
@@ -127,9 +132,14 @@ class Scheduler:
                 self._decode()
 
     def _drop_cancelled(self) -> None:
-        gone = self._waiting.discard(lambda job: job.cancelled.is_set())
-        gone += [job for job in self._running if job.cancelled.is_set()]
+        self._drop_cancelled_waiting()
+        gone = [job for job in self._running if job.cancelled.is_set()]
         self._running = [job for job in self._running if not job.cancelled.is_set()]
+        self._counts["cancelled_total"] += len(gone)
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Under ``_cond``: forget waiting jobs whose consumer left (any thread may)."""
+        gone = self._waiting.discard(lambda job: job.cancelled.is_set())
         self._counts["cancelled_total"] += len(gone)
 
     def _admit(self) -> Job | None:
@@ -139,6 +149,7 @@ class Scheduler:
         store, fingerprint = self.engine.store, self.engine.lm.fingerprint
         self._waiting.refresh(lambda job: cached_tokens(store, fingerprint, job.segments))
         job = self._waiting.pop()
+        self._starting = 1
         job.admitted = time.perf_counter()
         self._counts["queue_seconds_sum"] += job.admitted - job.submitted
         return job
@@ -155,13 +166,16 @@ class Scheduler:
             )
             self._sample(job, job.prefilled.logits)
         except Exception as error:  # the request's own failure, e.g. PromptTooLongError
+            with self._cond:
+                self._starting = 0
             self._fail(job, error)
             return
+        with self._cond:  # one step: its place moves from starting to running
+            self._starting = 0
+            if not job.done:
+                self._running.append(job)
         if job.done:
             self._finish(job)
-        else:
-            with self._cond:
-                self._running.append(job)
 
     def _decode(self) -> None:
         """One batched decode step for every running job, then sample each one's next."""

@@ -13,6 +13,7 @@ import pytest
 from tiny_models import tiny_lm
 
 from chunkcache.core.batching import BatchingBackend
+from chunkcache.core.chunk_ids import content_bound_id
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
 from chunkcache.core.errors import QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, SamplingParams
@@ -35,7 +36,7 @@ class GatedEngine(ChunkEngine):
         self.order: list[str] = []
 
     def prefill(self, segments: Sequence[TokenSegment], *args: Any, **kwargs: Any) -> Prefilled:
-        self.order.append(next(s.segment_id for s in segments if s.is_chunk))
+        self.order.append(LABELS[next(s.segment_id for s in segments if s.is_chunk)])
         assert self.gate.wait(timeout=30)
         return super().prefill(segments, *args, **kwargs)
 
@@ -49,9 +50,13 @@ def gated(lm: LoadedModel) -> Iterator[tuple[BatchingBackend, GatedEngine]]:
     assert backend.shutdown(timeout_s=10, drain=False)
 
 
+LABELS: dict[str, str] = {}  # the engine's (text-bound) segment id -> the chunk id sent
+
+
 def request(chunk: str, variant: int = 0, words: int = 10, **sampling: Any) -> GenerationRequest:
     """A prompt around chunk ``chunk``; variants 2, 4, 5 run 300 greedy tokens without EOS."""
     text = " ".join(f"w{(variant * 7 + i * 3) % 120}" for i in range(words + variant * 3))
+    LABELS[content_bound_id(chunk, text)] = chunk
     segments: list[Segment] = [TextSegment("w1 w2 "), ChunkSegment(chunk, text), TextSegment(" w9")]
     return GenerationRequest(segments, sampling=SamplingParams(**{"max_tokens": 6, **sampling}))
 
@@ -105,16 +110,19 @@ def test_a_full_queue_refuses_at_once_and_loses_nothing(
     backend, engine = gated
     first = backend.submit(request("a"))
     wait_until(lambda: engine.order == ["a"])  # admitted, stuck in prefill
-    queued = [backend.submit(request(name)) for name in ("b", "c", "d", "e")]
+    # max_batch + max_queue = 6 in flight: the batch's free slot holds one more waiting job
+    queued = [backend.submit(request(name)) for name in ("b", "c", "d", "e", "f")]
     with pytest.raises(QueueFullError) as refused:
-        backend.stream(request("f"))
+        backend.stream(request("g"))
     assert refused.value.retry_after_s > 0
+    queued.pop().close()  # a client left while waiting: its place is free at once
+    queued.append(backend.submit(request("h")))
     engine.gate.set()
     texts = [collect(iter(handle))[0] for handle in [first, *queued]]
     assert all(texts)
     metrics = backend.metrics()
-    assert (metrics["requests_total"], metrics["rejected_total"]) == (5, 1)
-    assert metrics["finished_total"] == 5
+    assert (metrics["requests_total"], metrics["rejected_total"]) == (7, 1)
+    assert (metrics["finished_total"], metrics["cancelled_total"]) == (6, 1)
 
 
 def test_cached_requests_go_first_within_the_starvation_window(
