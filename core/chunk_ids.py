@@ -55,20 +55,23 @@ def chunk_id(text: str, namespace: str = "") -> str:
     return digest.hexdigest()
 
 
-def content_bound_id(label: str, text: str) -> str:
-    """The id a chunk's tokens and KV are cached under: ``label`` when it is the text's own
-    content id, else the text's content id within ``label`` as a namespace.
+def content_bound_id(label: str, text: str, namespace: str = "") -> str:
+    """``text``'s id when a caller names it ``label``: ``label`` itself when it is the
+    text's content id, else the text's content id scoped by ``label``.
 
-    A caller-chosen id (a database key, an id reused after the document was edited, an id
-    another tenant picked) then never serves another text's tokens or KV.
+    So a caller-chosen id (a database key, a per-file chunk number, an id reused after
+    the document was edited, an id another tenant picked) never shares tokens, KV or a
+    retrieval slot with another text.
 
     >>> content_bound_id(chunk_id("hello"), "hello") == chunk_id("hello")
     True
     >>> content_bound_id("doc-7", "hello") == content_bound_id("doc-7", "hello, edited")
     False
     """
-    content = chunk_id(text)
-    return label if label == content else chunk_id(text, namespace=label)
+    content = chunk_id(text, namespace)
+    if label == content:
+        return label
+    return chunk_id(text, namespace=f"{len(namespace)}:{namespace}{label}")
 
 
 def validate_chunk_id(value: object) -> str:
@@ -83,7 +86,9 @@ def validate_chunk_id(value: object) -> str:
 
 
 def chunk_id_for(text: str, metadata: Mapping[str, Any] | None, namespace: str = "") -> str:
-    """Id for a document: its ``metadata["chunk_id"]`` if present, else the content hash."""
-    if metadata and metadata.get(CHUNK_ID_METADATA_KEY) is not None:
-        return validate_chunk_id(metadata[CHUNK_ID_METADATA_KEY])
-    return chunk_id(text, namespace)
+    """Id for a document: the content hash of its text, scoped by a ``metadata["chunk_id"]``
+    the caller set (:func:`content_bound_id`: kept when it is that hash already)."""
+    label = metadata.get(CHUNK_ID_METADATA_KEY) if metadata else None
+    if label is None:
+        return chunk_id(text, namespace)
+    return content_bound_id(str(label), text, namespace)

@@ -18,7 +18,7 @@ from chunkcache.core.bench.user_corpus import (
     load_questions,
     load_text_folder,
 )
-from chunkcache.core.chunk_ids import chunk_id
+from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
 from chunkcache.core.corpus import MIN_CHUNK_CHARS
 
 ODD = "Ünïcödé: ﬁne — 日本語テキスト, emoji 🧪, RTL עברית, combining e\u0301."
@@ -137,7 +137,8 @@ def test_chroma_round_trip(tmp_path):
         chunks = load_chroma_corpus(tmp_path, "notes")
     assert [c.source for c in chunks] == ["a-1", "b-2", "c-3"]
     assert [c.text for c in chunks] == [entries[1][1], ODD, "Pinned id text."]
-    assert [c.chunk_id for c in chunks] == [chunk_id(entries[1][1]), chunk_id(ODD), "my-id-1"]
+    pinned = chunk_id_for("Pinned id text.", {"chunk_id": "my-id-1"})
+    assert [c.chunk_id for c in chunks] == [chunk_id(entries[1][1]), chunk_id(ODD), pinned]
     assert [c.title for c in chunks] == ["a-1", "Odd", "Pinned"]
     assert [c.topic for c in chunks] == ["facts.md", "unicode", "notes"]
     with pytest.warns(UserWarning):

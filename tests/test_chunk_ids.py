@@ -215,22 +215,28 @@ def test_validate_chunk_id_rejects_non_str(value: object) -> None:
         validate_chunk_id(value)
 
 
-def test_chunk_id_for_keeps_an_existing_metadata_id() -> None:
-    assert chunk_id_for("some text", {CHUNK_ID_METADATA_KEY: "doc-7:0"}) == "doc-7:0"
-    # Also when the text alone would be rejected: the caller's id names the chunk.
-    assert chunk_id_for("text", {"chunk_id": "mine", "other": 1}, namespace="ns") == "mine"
+def test_chunk_id_for_keeps_a_metadata_id_that_is_the_texts_own() -> None:
+    own = chunk_id("some text", "ns")
+    assert chunk_id_for("some text", {CHUNK_ID_METADATA_KEY: own}, namespace="ns") == own
+
+
+def test_chunk_id_for_scopes_the_text_hash_by_any_other_metadata_id() -> None:
+    """Two texts under one caller id (an edited document, per-file chunk numbers) are two
+    chunks; one text under two caller ids too; any value works as a caller id."""
+    ids = {
+        chunk_id_for(text, {CHUNK_ID_METADATA_KEY: label})
+        for text in ("first version", "second version")
+        for label in ("doc-7", 0, "bad id\n", "")
+    }
+    assert len(ids) == 8 and all(len(i) == 32 for i in ids)
+    assert chunk_id_for("text", {"chunk_id": "doc-7"}) == chunk_id_for(
+        "text", {"chunk_id": "doc-7"}
+    )
+    assert chunk_id_for("text", {"chunk_id": 0}) == chunk_id_for("text", {"chunk_id": "0"})
+    assert chunk_id_for("text", {"chunk_id": "a"}, "ns") != chunk_id_for("text", {"chunk_id": "a"})
 
 
 def test_chunk_id_for_hashes_without_a_metadata_id() -> None:
     for metadata in (None, {}, {"source": "x.txt"}, {"chunk_id": None}):
         assert chunk_id_for("some text", metadata) == chunk_id("some text")
     assert chunk_id_for("some text", None, namespace="ns") == chunk_id("some text", "ns")
-
-
-def test_chunk_id_for_rejects_a_malformed_metadata_id() -> None:
-    with pytest.raises(InvalidChunkError):
-        chunk_id_for("text", {"chunk_id": "bad id\n"})
-    with pytest.raises(InvalidChunkError):
-        chunk_id_for("text", {"chunk_id": 12})
-    with pytest.raises(InvalidChunkError):
-        chunk_id_for("text", {"chunk_id": ""})

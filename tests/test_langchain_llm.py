@@ -19,6 +19,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import ValidationError
 
 from chunkcache.core import ChunkCache, chunk_id, default_cache
+from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import GenerationRequest
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.integrations.langchain import ChunkCacheLLM, ChunkCacheRetriever
@@ -99,7 +100,8 @@ def test_explicit_chunks_documents_or_pairs() -> None:
     llm.invoke(prompt, chunks=[("pair-1", TEXTS[0])])
     llm.invoke(prompt)  # nothing registered, nothing named
     requests = backend_of(llm).requests
-    assert [chunk_ids(r) for r in requests] == [[chunk_id(TEXTS[0])], ["doc-1"], ["pair-1"], []]
+    bound = chunk_id_for(TEXTS[0], {"chunk_id": "doc-1"})
+    assert [chunk_ids(r) for r in requests] == [[chunk_id(TEXTS[0])], [bound], ["pair-1"], []]
     with pytest.raises(TypeError, match="list of Documents"):
         llm.invoke(prompt, chunks=TEXTS[0])
 

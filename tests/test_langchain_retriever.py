@@ -11,6 +11,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig
 
 from chunkcache.core import ChunkCache, chunk_id
+from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.integrations.langchain import ChunkCacheRetriever, conversation_id_from_config
 
 
@@ -50,11 +51,14 @@ def test_every_document_gets_chunk_metadata_and_id() -> None:
     assert all(d.id == d.metadata["chunk_id"] for d in docs)
 
 
-def test_existing_ids_are_kept_and_base_documents_untouched() -> None:
+def test_existing_ids_are_kept_or_bound_and_base_documents_untouched() -> None:
     source = Document(page_content="text", id="doc-7", metadata={"chunk_id": "my-id"})
-    base = ListRetriever(documents=[source])
-    (doc,) = ChunkCacheRetriever(base_retriever=base, cache=ChunkCache()).invoke("0")
-    assert (doc.id, doc.metadata["chunk_id"]) == ("doc-7", "my-id")
+    ours = Document(page_content="more", metadata={"chunk_id": chunk_id("more")})
+    base = ListRetriever(documents=[source, ours])
+    retriever = ChunkCacheRetriever(base_retriever=base, cache=ChunkCache(), ordering="retriever")
+    doc, again = retriever.invoke("0", k=2)
+    assert (doc.id, doc.metadata["chunk_id"]) == ("doc-7", chunk_id_for("text", source.metadata))
+    assert again.metadata["chunk_id"] == chunk_id("more")  # a chunkcache id is kept
     assert source.metadata == {"chunk_id": "my-id"}
 
 

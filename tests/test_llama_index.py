@@ -19,6 +19,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 from chunkcache.core import ChunkCache, chunk_id, default_cache
+from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.integrations.llama_index import ChunkCachePostprocessor, ChunkCacheRetriever
 from chunkcache.integrations.llama_index_chat import ChunkCacheChatEngine
 
@@ -129,7 +130,7 @@ def test_base_nodes_are_not_mutated() -> None:
         assert base.node.excluded_embed_metadata_keys == []
 
 
-def test_chunk_id_is_stable_and_metadata_chunk_id_wins() -> None:
+def test_chunk_id_is_stable_and_a_metadata_chunk_id_scopes_it() -> None:
     class Preassigned(FixedRetriever):
         def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
             nodes = super()._retrieve(query_bundle)
@@ -143,7 +144,7 @@ def test_chunk_id_is_stable_and_metadata_chunk_id_wins() -> None:
     ]
     preassigned = ChunkCacheRetriever(Preassigned({"q": [A, B]}), cache=ChunkCache())
     ids = {n.node.get_content(): n.node.metadata["chunk_id"] for n in preassigned.retrieve("q")}
-    assert ids == {A: "my-chunk-1", B: chunk_id(B)}
+    assert ids == {A: chunk_id_for(A, {"chunk_id": "my-chunk-1"}), B: chunk_id(B)}
 
 
 def test_retriever_rank_is_the_base_rank_whatever_the_order() -> None:

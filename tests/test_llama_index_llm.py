@@ -14,6 +14,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from pydantic import ValidationError
 
 from chunkcache.core import ChunkCache, InvalidConversationIdError, chunk_id, default_cache
+from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import GenerationRequest
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.integrations.llama_index import ChunkCacheLLM, ChunkCacheRetriever
@@ -84,7 +85,8 @@ def test_explicit_chunks_nodes_or_pairs() -> None:
     llm.chat(user(prompt), chunks=[("pair-1", TEXTS[0])])
     llm.complete(prompt)
     requests = backend_of(llm).requests
-    assert [chunk_ids(r) for r in requests] == [[chunk_id(TEXTS[0])], ["node-1"], ["pair-1"], []]
+    bound = chunk_id_for(TEXTS[0], node.metadata)
+    assert [chunk_ids(r) for r in requests] == [[chunk_id(TEXTS[0])], [bound], ["pair-1"], []]
     with pytest.raises(TypeError, match="list of nodes"):
         llm.complete(prompt, chunks=node)
 

@@ -9,7 +9,7 @@ import pytest
 from tiny_models import tiny_lm, tiny_tokenizer
 
 from chunkcache.core.engine import ChunkEngine, Prefilled
-from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.generation import GenerationRequest, GenerationStats, Policy, SamplingParams
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.sampling import StopChecker
@@ -57,21 +57,22 @@ def test_a_chunk_id_sent_with_another_text_never_serves_the_old_one(
     """A caller's id is bound to its text: an edited document, or another tenant's text
     under the same id, is a miss computed from the text sent, never the old tokens or KV."""
 
-    def ask(text: str, policy: str) -> object:
+    def ask(text: str, policy: Policy) -> GenerationStats:
         request = GenerationRequest(
             [TextSegment("system: answer. "), ChunkSegment("doc-7", text), TextSegment(" q?")],
             sampling=SamplingParams(max_tokens=1),
-            policy=policy,  # type: ignore[arg-type]
+            policy=policy,
         )
-        return list(backend.stream(request))[-1].stats
+        stats = list(backend.stream(request))[-1].stats
+        assert stats is not None
+        return stats
 
     old, new = "the old text of the doc " * 3, "another, longer and newer text of it " * 3
     ask(old, "full")
     edited = ask(new, "reuse")
-    expected = ask(new, "full")
-    assert (edited.chunk_hits, edited.chunk_misses) == (0, 1)  # type: ignore[attr-defined]
-    assert edited.prompt_tokens == expected.prompt_tokens  # type: ignore[attr-defined]
-    assert ask(new, "reuse").chunk_hits == 1  # type: ignore[attr-defined]
+    assert (edited.chunk_hits, edited.chunk_misses) == (0, 1)
+    assert edited.prompt_tokens == ask(new, "full").prompt_tokens
+    assert ask(new, "reuse").chunk_hits == 1
     assert ask(old, "reuse").chunk_hits == 1  # the old text keeps its own entry
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id
-from chunkcache.core.errors import InvalidChunkError, InvalidConversationIdError
+from chunkcache.core.errors import InvalidConversationIdError
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.core.registry import ChunkRegistry
@@ -76,18 +76,21 @@ def test_duplicates_collapse_to_the_best_rank() -> None:
     assert cache.access_table.count(chunk_id("alpha")) == 1
 
 
-def test_documents_sharing_a_metadata_id_collapse_to_the_first() -> None:
+def test_documents_sharing_a_metadata_id_but_not_a_text_are_all_kept() -> None:
+    """A caller's id is no reason to drop a document: per-file chunk numbers, two
+    versions of one document."""
     cache = ChunkCache()
     documents: Docs = [
         ("first version", {"chunk_id": "doc-1"}),
         ("other", None),
         ("second version", {"chunk_id": "doc-1"}),
+        ("first version", {"chunk_id": "doc-1"}),  # the same document twice: one chunk
     ]
     result = plan(documents, cache)
-    assert [c.chunk_id for c in result.chunks] == ["doc-1", chunk_id("other")]
-    assert result.chunks[0].source_index == 0
+    assert [c.source_index for c in result.chunks] == [0, 1, 2]
     assert result.num_collapsed == 1
-    assert cache.registry.get("doc-1") == "first version"
+    texts = [cache.registry.get(c.chunk_id) for c in result.chunks]
+    assert texts == ["first version", "other", "second version"]
 
 
 def test_nfc_and_nfd_copies_of_a_document_are_one_chunk() -> None:
@@ -189,9 +192,9 @@ def test_non_str_text_raises_type_error(bad: object) -> None:
     assert cache.num_requests == 0
 
 
-def test_malformed_metadata_id_raises_invalid_chunk_error() -> None:
-    with pytest.raises(InvalidChunkError):
-        plan([("text", {"chunk_id": "not an id\n"})], ChunkCache())
+def test_any_metadata_id_value_is_a_usable_label() -> None:
+    result = plan([("text", {"chunk_id": "not an id\n"}), ("more", {"chunk_id": 3})], ChunkCache())
+    assert len(result.chunks) == 2
 
 
 def test_bad_conversation_id_raises() -> None:

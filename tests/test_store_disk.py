@@ -110,7 +110,9 @@ def test_a_damaged_entry_is_dropped_counted_and_missed(tmp_path: Path, part: str
 
 
 def a_key(store: TieredKVStore) -> EntryKey:
-    (key,) = store.tiers[0].entry_keys()
+    tier = store.tiers[0]
+    assert isinstance(tier, DiskTier)
+    (key,) = tier.entry_keys()
     return key
 
 

@@ -66,7 +66,7 @@ def test_warm_is_resumable_and_its_kv_is_served(
 
 def test_chroma_collection_chunks_carry_the_retriever_ids(tmp_path: Path) -> None:
     chromadb = pytest.importorskip("chromadb")
-    from chunkcache.core.chunk_ids import chunk_id
+    from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
     from chunkcache.core.store.warm import chroma_chunks
 
     client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
@@ -78,4 +78,5 @@ def test_chroma_collection_chunks_carry_the_retriever_ids(tmp_path: Path) -> Non
         embeddings=[[0.1, 0.2], [0.3, 0.4]],
     )
     got = dict(chroma_chunks(tmp_path / "chroma", "docs"))
-    assert got == {"my-id": "w5 w6 w7", chunk_id("w8 w9"): "w8 w9"}
+    pinned = chunk_id_for("w5 w6 w7", {"chunk_id": "my-id"})
+    assert got == {pinned: "w5 w6 w7", chunk_id("w8 w9"): "w8 w9"}
