@@ -10,6 +10,7 @@ from chunkcache.core.errors import (
     ChunkCacheError,
     InvalidChunkError,
     InvalidConversationIdError,
+    InvalidTextError,
 )
 from chunkcache.core.ledger import ConversationLedger
 from chunkcache.core.metrics import prefix_metric, total_metric
@@ -27,6 +28,7 @@ __all__ = [
     "ConversationLedger",
     "InvalidChunkError",
     "InvalidConversationIdError",
+    "InvalidTextError",
     "PrefixNode",
     "chunk_id",
     "default_cache",

@@ -9,6 +9,10 @@ class InvalidChunkError(ChunkCacheError, ValueError):
     """A chunk's text or id cannot be used (empty, too large, malformed id)."""
 
 
+class InvalidTextError(ChunkCacheError, ValueError):
+    """Prompt text the model cannot read: not valid Unicode (a lone surrogate)."""
+
+
 class InvalidConversationIdError(ChunkCacheError, ValueError):
     """A conversation id is empty, too long or not a string."""
 

@@ -9,6 +9,7 @@ import pytest
 from tiny_models import tiny_lm, tiny_tokenizer
 
 from chunkcache.core.engine import ChunkEngine, Prefilled
+from chunkcache.core.errors import InvalidTextError
 from chunkcache.core.generation import GenerationRequest, GenerationStats, Policy, SamplingParams
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
@@ -74,6 +75,18 @@ def test_a_chunk_id_sent_with_another_text_never_serves_the_old_one(
     assert edited.prompt_tokens == ask(new, "full").prompt_tokens
     assert ask(new, "reuse").chunk_hits == 1
     assert ask(old, "reuse").chunk_hits == 1  # the old text keeps its own entry
+
+
+@pytest.mark.parametrize("where", ["text", "chunk"])
+def test_a_lone_surrogate_is_refused_with_a_clear_error(backend: LocalBackend, where: str) -> None:
+    bad = "half an emoji: \ud83d."
+    segment = TextSegment(bad) if where == "text" else ChunkSegment("chunk-bad", bad * 2)
+    request = GenerationRequest(
+        [TextSegment("system: "), segment], sampling=SamplingParams(max_tokens=1)
+    )
+    with pytest.raises(InvalidTextError, match=r"not valid Unicode: \\ud83d at character 15"):
+        list(backend.stream(request))
+    assert run(backend, policy="full")[0]  # the backend still answers
 
 
 def test_stop_checker_holds_back_a_possible_stop_prefix() -> None:
