@@ -13,7 +13,8 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     # logits: [V] float32
     if params.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / params.temperature, dim=-1)  # probs: [V]
+    # Shifted so the largest is 0: a tiny temperature scales to -inf, never to inf - inf.
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)  # probs: [V]
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)  # [V] each
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # [V] bool
