@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -20,9 +20,11 @@ from chunkcache.core.store.hooks import prefetch
 from chunkcache.core.text_stream import TextStream
 from chunkcache.core.tokenization import SegmentTokenizer, render_chat
 
+CANCEL_POLL_S = 0.05  # how often a request waiting for the engine checks it was cancelled
+
 
 class LocalBackend:
-    """Runs requests on a :class:`ChunkEngine` in this process, one at a time."""
+    """Runs requests on a :class:`ChunkEngine` in this process, one engine step at a time."""
 
     def __init__(self, engine: ChunkEngine, model_name: str = "chunkcache-local") -> None:
         if engine.lm.tokenizer is None:
@@ -53,40 +55,90 @@ class LocalBackend:
         """The model's chat template applied to ``messages``, ready for the assistant."""
         return render_chat(self.tokenizer, messages)
 
-    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        """Generate for ``request``; closing the iterator early stops decoding at once."""
+    def stream(self, request: GenerationRequest) -> LocalStream:
+        """Generate for ``request``; closing the stream early stops decoding at once, and
+        :meth:`LocalStream.cancel` (from any thread) stops it even while it waits."""
+        cancelled = threading.Event()
+        return LocalStream(self._run(request, cancelled), cancelled)
+
+    def _run(
+        self, request: GenerationRequest, cancelled: threading.Event
+    ) -> Generator[GenerationChunk]:
         started = time.perf_counter()
         segments = self.segment_tokenizer(request.segments)
         params = request.sampling
-        # Start moving this request's chunks up to host memory while it waits for the lock.
+        # Start moving this request's chunks up to host memory while it waits for the engine.
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
         prefetch(self.engine.store, self.engine.lm.fingerprint, chunk_ids)
         text = TextStream(self.tokenizer, self.eos_ids, params.stop)
-        with self._lock:
-            prefilled = self.engine.prefill(
-                segments,
-                request.policy,
-                request.recompute_ratio,
-                request.conversation_id,
-                reserve=params.max_tokens,
-            )
+        try:
+            with self._engine_turn(cancelled):
+                prefilled = self.engine.prefill(
+                    segments,
+                    request.policy,
+                    request.recompute_ratio,
+                    request.conversation_id,
+                    reserve=params.max_tokens,
+                )
             stats = prefilled.stats
-            # Closed early (the consumer stopped reading), decoding stops at that piece and
-            # the lock is free for the next request.
             decoding = cast(Generator[int], self.engine.decode(prefilled, params))  # a generator
             with closing(decoding) as tokens:
-                for token in tokens:
-                    if not text.tokens and not text.finished:
+                while not text.finished:
+                    with self._engine_turn(cancelled):  # one decode step
+                        token = next(tokens, None)
+                    if token is None:
+                        break
+                    if not text.tokens:
                         stats.ttft_s = time.perf_counter() - started
                     piece = text.push(token)
                     if piece:
                         yield GenerationChunk(piece)
-                    if text.finished:
-                        break
-            if request.conversation_id is not None:
-                self.engine.remember(request.conversation_id, prefilled)
+        except _Cancelled:
+            return
+        if request.conversation_id is not None:
+            self.engine.remember(request.conversation_id, prefilled)
         final = text.finish()
         stats.finish_reason = text.finish_reason
         stats.completion_tokens = len(text.tokens)
         stats.total_s = time.perf_counter() - started
         yield GenerationChunk(final, stats)
+
+    @contextmanager
+    def _engine_turn(self, cancelled: threading.Event) -> Iterator[None]:
+        """The engine to this request for one prefill or decode step.  Held only per step,
+        never across a ``yield``: a stream its consumer paused (or interleaves with another
+        on the same thread) does not hold up other requests.  Raises :class:`_Cancelled`
+        once ``cancelled`` is set, also while waiting for the engine."""
+        while not self._lock.acquire(timeout=CANCEL_POLL_S):
+            if cancelled.is_set():
+                raise _Cancelled
+        try:
+            if cancelled.is_set():
+                raise _Cancelled
+            yield
+        finally:
+            self._lock.release()
+
+
+class LocalStream(Iterator[GenerationChunk]):
+    """One local request's pieces (the last carries the stats)."""
+
+    def __init__(self, pieces: Generator[GenerationChunk], cancelled: threading.Event) -> None:
+        self._pieces = pieces
+        self._cancelled = cancelled
+
+    def __next__(self) -> GenerationChunk:
+        return next(self._pieces)
+
+    def cancel(self) -> None:
+        """Stop at the request's next engine step; thread-safe, the stream then just ends."""
+        self._cancelled.set()
+
+    def close(self) -> None:
+        """Stop now (from the consuming thread): decoding ends at the piece read last."""
+        self._cancelled.set()
+        self._pieces.close()
+
+
+class _Cancelled(Exception):
+    """The request was cancelled before one of its engine steps."""

@@ -3,7 +3,8 @@
 Both wrappers render their framework's messages (or take a completion prompt as
 it is), turn the prompt into a :class:`GenerationRequest` with
 :func:`build_request` (the segmenter finds the chunks the retrievers registered,
-plus any the caller names), run it with :func:`run_stream` or :func:`generate`,
+plus any the caller names), run it with :func:`run_stream` or :func:`generate` (async:
+:func:`arun_stream`, :func:`agenerate`),
 and report the :class:`GenerationStats` in their framework's response metadata.
 
 Per-call options (keyword arguments of ``invoke``/``complete``/...) are
@@ -14,7 +15,7 @@ format, another model) is refused with a TypeError rather than silently ignored.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -102,8 +103,33 @@ def build_request(
 
 def run_stream(backend: Backend, request: GenerationRequest) -> Iterator[GenerationChunk]:
     """``backend.stream(request)``, checked: exactly the last piece carries the stats."""
+    return _checked(backend.stream(request))
+
+
+async def arun_stream(
+    backend: Backend, request: GenerationRequest
+) -> AsyncGenerator[GenerationChunk, None]:
+    """:func:`run_stream` driven from a worker thread.  Left early (break, a cancelled task),
+    the backend's stream is also cancelled if it can be (the local and batching backends'
+    can), so a request still waiting for the engine stops there instead of running."""
+    stream = await asyncio.to_thread(backend.stream, request)
+    async for piece in aiterate(_checked(stream), cancel=getattr(stream, "cancel", None)):
+        yield piece
+
+
+def generate(backend: Backend, request: GenerationRequest) -> tuple[str, GenerationStats]:
+    """Run ``request`` to the end: the whole text and the stats."""
+    return _joined(list(run_stream(backend, request)))
+
+
+async def agenerate(backend: Backend, request: GenerationRequest) -> tuple[str, GenerationStats]:
+    """:func:`generate` from async code; cancelling the awaiting task stops the request."""
+    return _joined([piece async for piece in arun_stream(backend, request)])
+
+
+def _checked(pieces: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
     stats: GenerationStats | None = None
-    for piece in backend.stream(request):
+    for piece in pieces:
         if stats is not None:
             raise RuntimeError("the backend yielded text after its stats")
         stats = piece.stats
@@ -112,34 +138,37 @@ def run_stream(backend: Backend, request: GenerationRequest) -> Iterator[Generat
         raise RuntimeError("the backend's stream ended without stats")
 
 
-def generate(backend: Backend, request: GenerationRequest) -> tuple[str, GenerationStats]:
-    """Run ``request`` to the end: the whole text and the stats."""
-    texts = []
-    stats = None
-    for piece in run_stream(backend, request):
-        texts.append(piece.text)
-        stats = piece.stats
-    assert stats is not None  # run_stream raises otherwise
-    return "".join(texts), stats
+def _joined(pieces: Sequence[GenerationChunk]) -> tuple[str, GenerationStats]:
+    """The text of a checked stream's pieces, and its stats (on the last piece)."""
+    stats = pieces[-1].stats
+    assert stats is not None  # _checked raises otherwise
+    return "".join(piece.text for piece in pieces), stats
 
 
-async def aiterate(items: Iterator[T]) -> AsyncGenerator[T, None]:
+async def aiterate(
+    items: Iterator[T], cancel: Callable[[], None] | None = None
+) -> AsyncGenerator[T, None]:
     """Drive a blocking iterator from async code, one item at a time, in a worker thread.
 
     Items arrive as the iterator produces them and the event loop keeps running.
-    When the consumer stops early (break, cancel), the iterator is closed in the
-    same worker thread, after the step in flight, so a generator's cleanup runs.
+    When the consumer stops early (break, cancel), ``cancel`` is called at once (from
+    the event loop: it must be thread-safe) and the iterator is closed in the same
+    worker thread, after the step in flight, so a generator's cleanup runs.
     """
     loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkcache-stream")
     done = object()
+    finished = False
     try:
         while True:
             item = await loop.run_in_executor(worker, next, items, done)
             if item is done:
+                finished = True
                 return
             yield cast(T, item)
     finally:
+        if cancel is not None and not finished:
+            cancel()
         close = getattr(items, "close", None)
         if close is not None:
             worker.submit(close)

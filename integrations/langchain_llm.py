@@ -24,6 +24,7 @@ computes it) or (chunk id, text) pairs.  Other per-call options: ``recompute``,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,10 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.language_models.chat_models import (
+    agenerate_from_stream,
+    generate_from_stream,
+)
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -59,7 +63,7 @@ from chunkcache.core.generation import (
 )
 from chunkcache.core.prompting import (
     SETTINGS,
-    aiterate,
+    arun_stream,
     backend_model_name,
     build_request,
     call_options,
@@ -210,10 +214,22 @@ class ChunkCacheLLM(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        # The blocking stream (chat template, segmenting, decoding) runs in a worker
-        # thread, one piece at a time.
-        async for chunk in aiterate(self._stream(messages, stop, **kwargs)):
-            yield chunk
+        # The blocking work (chat template, segmenting, decoding) runs in worker threads;
+        # a cancelled task stops the request, also while it waits for the engine.
+        request = await asyncio.to_thread(self._request, messages, stop, kwargs)
+        async for piece in arun_stream(self.chunk_cache.backend, request):
+            yield self._chunk(piece)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # Not langchain-core's default (_generate in an executor): that runs to the end
+        # when the awaiting task is cancelled, holding the engine.
+        return await agenerate_from_stream(self._astream(messages, stop, **kwargs))
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]

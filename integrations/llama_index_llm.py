@@ -62,7 +62,8 @@ from chunkcache.core.generation import (
 )
 from chunkcache.core.ledger import check_conversation_id
 from chunkcache.core.prompting import (
-    aiterate,
+    agenerate,
+    arun_stream,
     backend_model_name,
     build_request,
     call_options,
@@ -142,29 +143,30 @@ class ChunkCacheLLM(LLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         return self._stream_chat(messages, kwargs)
 
-    # Async variants run the blocking work in a worker thread; streams go piece by piece.
+    # Async variants run the blocking work in worker threads, piece by piece, so a
+    # cancelled task stops its request (also while it waits for the engine).
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        prompt = self._completion_prompt(prompt, formatted)
-        return await asyncio.to_thread(self._complete, prompt, kwargs)
+        return await self._acomplete(self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        return aiterate(self._stream(self._completion_prompt(prompt, formatted), kwargs))
+        return self._astream(self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat, messages, kwargs)
+        prompt = await asyncio.to_thread(self._chat_prompt, messages)
+        return _as_chat(await self._acomplete(prompt, kwargs))
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        return aiterate(self._stream_chat(messages, kwargs))
+        return self._astream_chat(messages, kwargs)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         return _as_chat(self._complete(self._chat_prompt(messages), kwargs))
@@ -177,6 +179,25 @@ class ChunkCacheLLM(LLM):
 
     def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         text, stats = generate(self.cache.backend, self._request(prompt, kwargs))
+        return _completion(text, None, stats)
+
+    async def _astream_chat(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> ChatResponseAsyncGen:
+        prompt = await asyncio.to_thread(self._chat_prompt, messages)
+        async for response in self._astream(prompt, kwargs):
+            yield _as_chat(response)
+
+    async def _astream(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
+        request = await asyncio.to_thread(self._request, prompt, kwargs)
+        text = ""
+        async for piece in arun_stream(self.cache.backend, request):
+            text += piece.text
+            yield _completion(text, piece.text, piece.stats)
+
+    async def _acomplete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
+        request = await asyncio.to_thread(self._request, prompt, kwargs)
+        text, stats = await agenerate(self.cache.backend, request)
         return _completion(text, None, stats)
 
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:

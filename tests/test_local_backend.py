@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import itertools
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from tiny_models import tiny_lm, tiny_tokenizer
 
+from chunkcache.core.cache import ChunkCache
 from chunkcache.core.engine import ChunkEngine, Prefilled
 from chunkcache.core.errors import InvalidTextError
-from chunkcache.core.generation import GenerationRequest, GenerationStats, Policy, SamplingParams
+from chunkcache.core.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationStats,
+    Policy,
+    SamplingParams,
+)
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.sampling import StopChecker
 from chunkcache.core.segmenter import ChunkSegment, TextSegment
+from chunkcache.integrations.langchain_llm import ChunkCacheLLM as LangChainLLM
+from chunkcache.integrations.llama_index_llm import ChunkCacheLLM as LlamaIndexLLM
 
 CHUNK = ChunkSegment("chunk-1", "the quick brown fox jumps over the lazy dog " * 3)
 
@@ -124,3 +137,87 @@ def test_closing_a_stream_stops_decoding_at_once() -> None:
     # the engine is free again: the next request runs at once
     after = ThreadPoolExecutor(1).submit(lambda: list(backend.stream(request)))
     assert after.result(timeout=60)[-1].stats is not None
+
+
+class GatedEngine(ChunkEngine):
+    """Counts its prefills; each waits for ``gate`` once it began."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        super().__init__(lm)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.prefills = 0
+
+    def prefill(self, *args: Any, **kwargs: Any) -> Prefilled:
+        self.prefills += 1
+        self.started.set()
+        assert self.gate.wait(timeout=30)
+        return super().prefill(*args, **kwargs)
+
+
+def long_request(seed: int) -> GenerationRequest:
+    words = " ".join(f"w{(seed + i * 3) % 120}" for i in range(16))
+    return GenerationRequest([TextSegment(words)], sampling=SamplingParams(max_tokens=12))
+
+
+def test_streams_interleaved_on_one_thread_each_get_their_own_answer() -> None:
+    """The engine is held per step, never across a yield: zip() of two streams, or a
+    stream its consumer paused, does not hold up the other request."""
+    backend = LocalBackend(ChunkEngine(tiny_lm("llama")))
+    alone = [collect(backend.stream(long_request(seed))) for seed in (14, 40)]
+    first, second = backend.stream(long_request(14)), backend.stream(long_request(40))
+    head = next(first).text  # paused mid-answer
+    other_thread = ThreadPoolExecutor(1).submit(collect, backend.stream(long_request(40)))
+    assert other_thread.result(timeout=60) == alone[1]
+    texts = [head, ""]
+    for pieces in itertools.zip_longest(first, second):
+        for i, piece in enumerate(pieces):
+            texts[i] += piece.text if piece is not None else ""
+    assert texts == alone
+
+
+def test_a_stream_cancelled_while_waiting_for_the_engine_never_prefills() -> None:
+    engine = GatedEngine(tiny_lm("llama"))
+    backend = LocalBackend(engine)
+    busy = ThreadPoolExecutor(1).submit(collect, backend.stream(long_request(14)))
+    assert engine.started.wait(timeout=30)  # the engine is busy with the first request
+    waiting = backend.stream(long_request(40))
+    pieces = ThreadPoolExecutor(1).submit(list, waiting)
+    waiting.cancel()
+    assert pieces.result(timeout=30) == []  # it just ends, from its own thread
+    engine.gate.set()
+    assert busy.result(timeout=60)
+    assert engine.prefills == 1
+
+
+def collect(stream: Iterator[GenerationChunk]) -> str:
+    return "".join(piece.text for piece in stream)
+
+
+@pytest.mark.parametrize("framework", ["langchain", "llama_index"])
+def test_a_cancelled_async_call_never_runs_while_it_waits(framework: str) -> None:
+    """ainvoke / acomplete: cancelling the task stops the request, not just the awaiting."""
+    lm, tokenizer = tiny_lm("llama"), tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    engine = GatedEngine(LoadedModel(lm.hf, tokenizer, lm.spec, lm.rope, lm.fingerprint))
+    cache = ChunkCache(backend=LocalBackend(engine))
+    call: Callable[[str], Awaitable[object]]
+    if framework == "langchain":
+        call = LangChainLLM(chunk_cache=cache, max_tokens=4).ainvoke
+    else:
+        call = LlamaIndexLLM(cache=cache, max_tokens=4).acomplete
+
+    async def scenario() -> None:
+        busy = asyncio.create_task(call("w1 w2 w3"))
+        assert await asyncio.to_thread(engine.started.wait, 30)
+        waiting = asyncio.create_task(call("w4 w5 w6"))
+        await asyncio.sleep(0.3)  # now waiting for the engine
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        engine.gate.set()
+        await busy
+        await asyncio.sleep(0.3)  # room for a request that was not really stopped
+
+    asyncio.run(scenario())
+    assert engine.prefills == 1
