@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -132,7 +132,7 @@ def test_closing_a_stream_stops_decoding_at_once() -> None:
     stream = backend.stream(request)
     assert next(stream).text
     decoded = engine.decoded
-    stream.close()  # type: ignore[attr-defined]
+    stream.close()
     assert engine.closed and engine.decoded == decoded < 300
     # the engine is free again: the next request runs at once
     after = ThreadPoolExecutor(1).submit(lambda: list(backend.stream(request)))
@@ -201,7 +201,7 @@ def test_a_cancelled_async_call_never_runs_while_it_waits(framework: str) -> Non
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     engine = GatedEngine(LoadedModel(lm.hf, tokenizer, lm.spec, lm.rope, lm.fingerprint))
     cache = ChunkCache(backend=LocalBackend(engine))
-    call: Callable[[str], Awaitable[object]]
+    call: Callable[[str], Coroutine[Any, Any, object]]
     if framework == "langchain":
         call = LangChainLLM(chunk_cache=cache, max_tokens=4).ainvoke
     else:
