@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from fake_backend import FakeBackend
@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from chunkcache.core.chunk_ids import chunk_id
-from chunkcache.core.engine import PromptTooLongError
+from chunkcache.core.engine import PromptTooLongError, TokenSegment
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
-from chunkcache.core.segmenter import ChunkSegment
+from chunkcache.core.segmenter import ChunkSegment, Segment
 from chunkcache.core.serve import ServeSettings, create_app
 
 CHUNK = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -189,6 +189,48 @@ def test_malformed_json_and_unknown_model(client: TestClient) -> None:
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
 
 
+class TokenizingBackend(FakeBackend):
+    """A fake that tokenizes like the engine's backends: one token a word, as its stats count."""
+
+    context_window = 300
+
+    def segment_tokenizer(self, segments: Sequence[Segment]) -> list[TokenSegment]:
+        return [
+            TokenSegment(str(i), tuple(range(len(s.text.split()))), isinstance(s, ChunkSegment))
+            for i, s in enumerate(segments)
+        ]
+
+
+@pytest.mark.parametrize(
+    ("words", "limit", "max_tokens"),
+    [
+        (10, {}, 256),  # the default
+        (100, {}, 200),  # no limit given: the room the prompt leaves
+        (299, {}, 1),
+        (100, {"max_tokens": 250}, 250),  # a limit given is kept; the engine refuses it
+        (100, {"max_completion_tokens": 250}, 250),
+    ],
+)
+def test_default_max_tokens_fits_the_context_window(
+    words: int, limit: dict[str, int], max_tokens: int
+) -> None:
+    backend = TokenizingBackend()
+    with TestClient(create_app(backend)) as client:
+        body = {"model": MODEL, "prompt": " ".join(["w"] * words), **limit}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert backend.requests[-1].sampling.max_tokens == max_tokens
+
+
+def test_a_prompt_that_fills_the_context_window_is_a_400() -> None:
+    backend = TokenizingBackend()
+    with TestClient(create_app(backend)) as client:
+        body = {"model": MODEL, "prompt": " ".join(["w"] * 300)}
+        response = client.post("/v1/completions", json=body)
+    assert error_of(response) == (400, "invalid_request_error")
+    assert response.json()["error"]["code"] == "prompt_too_long"
+    assert backend.requests == []
+
+
 def test_body_over_the_limit_is_a_413(backend: FakeBackend) -> None:
     with TestClient(create_app(backend, ServeSettings(max_body_bytes=2048))) as client:
         response = client.post("/v1/chat/completions", json=chat("y" * 4096))
@@ -196,15 +238,34 @@ def test_body_over_the_limit_is_a_413(backend: FakeBackend) -> None:
     assert backend.requests == []
 
 
-def test_api_key(backend: FakeBackend) -> None:
+@pytest.fixture
+def keyed_client(backend: FakeBackend) -> Iterator[TestClient]:
     with TestClient(create_app(backend, ServeSettings(api_key=SecretStr("s3cret")))) as client:
-        assert client.get("/health").status_code == 200  # probes need no key
-        assert error_of(client.get("/v1/models")) == (401, "authentication_error")
-        wrong = {"Authorization": "Bearer nope"}
-        assert client.post("/v1/chat/completions", json=chat(), headers=wrong).status_code == 401
-        right = {"Authorization": "Bearer s3cret"}
-        assert client.post("/v1/chat/completions", json=chat(), headers=right).status_code == 200
+        yield client
+
+
+def test_api_key(keyed_client: TestClient, backend: FakeBackend) -> None:
+    assert keyed_client.get("/health").status_code == 200  # probes need no key
+    assert error_of(keyed_client.get("/v1/models")) == (401, "authentication_error")
+    wrong = {"Authorization": "Bearer nope"}
+    assert keyed_client.post("/v1/chat/completions", json=chat(), headers=wrong).status_code == 401
+    right = {"Authorization": "Bearer s3cret"}
+    assert keyed_client.post("/v1/chat/completions", json=chat(), headers=right).status_code == 200
     assert len(backend.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/completions", "/v1/chunks", "/v1/chunkcache/render"]
+)
+@pytest.mark.parametrize("authorization", [None, "Bearer nope", "s3cret"])
+def test_api_key_is_checked_before_the_body(
+    keyed_client: TestClient, path: str, authorization: str | None
+) -> None:
+    headers = {"content-type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    response = keyed_client.post(path, content=b"{not json", headers=headers)
+    assert error_of(response) == (401, "authentication_error")
 
 
 class RaisingBackend(FakeBackend):

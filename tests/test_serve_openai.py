@@ -12,8 +12,10 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.prompts import ChatPromptTemplate
 from openai.types.chat import ChatCompletionMessageParam
+from transformers import AutoTokenizer
 
 from chunkcache.core.cache import ChunkCache
+from chunkcache.core.model_files import pull_default_model
 from chunkcache.core.serve.launcher import serve_process
 from chunkcache.core.serve.loadtest import LoadTest, LoadTestConfig, check
 from chunkcache.integrations.langchain_llm import ChunkCacheLLM
@@ -109,6 +111,24 @@ def test_errors_reach_the_client(client: openai.OpenAI, model: str) -> None:
         client.chat.completions.create(model=model, messages=messages(), max_tokens=100_000)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages(), max_tokens=4)
+
+
+def test_default_max_tokens_fits_the_context_window(client: openai.OpenAI, model: str) -> None:
+    """With no max_tokens, a prompt leaving less room than the default still runs, capped
+    to that room (as OpenAI does); a max_tokens that does not fit, or no room, is a 400."""
+    window = client.models.list().data[0].model_extra["max_model_len"]  # type: ignore[index]
+    tokenizer = AutoTokenizer.from_pretrained(pull_default_model(), local_files_only=True)
+    ids = tokenizer(" ".join(f"fact {i}." for i in range(window)))["input_ids"]
+    room = 4
+    prompt = tokenizer.decode(ids[: window - room])
+    assert len(tokenizer(prompt)["input_ids"]) == window - room
+    reply = client.completions.create(model=model, prompt=prompt, temperature=0)
+    assert reply.usage is not None and reply.usage.prompt_tokens == window - room
+    assert 0 < reply.usage.completion_tokens <= room
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=prompt, max_tokens=room + 1)
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.completions.create(model=model, prompt=tokenizer.decode(ids[:window]))
 
 
 def test_chunkcache_llm_over_http(server: str) -> None:

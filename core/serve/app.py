@@ -16,14 +16,16 @@ and the chunks registered through ``/v1/chunks``.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import SecretStr
 from starlette.exceptions import HTTPException
 
 from chunkcache.core.cache import ChunkCache
@@ -69,7 +71,7 @@ def create_app(
     app.add_exception_handler(Exception, handle_error)  # 500, logged
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_open_routes(state))
-    app.include_router(_v1_routes(state), dependencies=[Depends(_auth(state))])
+    app.include_router(_v1_routes(state))
     return app
 
 
@@ -91,7 +93,7 @@ def _open_routes(state: ServeState) -> APIRouter:
 
 
 def _v1_routes(state: ServeState) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=_authenticated(state.settings.api_key))
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -137,25 +139,37 @@ def _v1_routes(state: ServeState) -> APIRouter:
     return router
 
 
-def _auth(state: ServeState) -> Any:
-    key = state.settings.api_key
+def _authenticated(api_key: SecretStr | None) -> type[APIRoute]:
+    """The route class of ``/v1/*``: with an ``api_key``, a request without it is a 401 before
+    its body is read (FastAPI parses a body before it runs a route's dependencies)."""
 
-    async def check(request: Request) -> None:
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.encode(), key.get_secret_value().encode()
-        ):
-            raise ServeError(
-                401,
-                "missing or wrong API key (Authorization: Bearer <key>)",
-                "authentication_error",
-                "invalid_api_key",
-            )
+    class AuthenticatedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handle = super().get_route_handler()
+            if api_key is None:
+                return handle
 
-    return check
+            async def checked(request: Request) -> Response:
+                _check_key(request, api_key)
+                return await handle(request)
+
+            return checked
+
+    return AuthenticatedRoute
+
+
+def _check_key(request: Request, api_key: SecretStr) -> None:
+    """A 401 ServeError unless ``request`` carries ``Authorization: Bearer <api_key>``."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.encode(), api_key.get_secret_value().encode()
+    ):
+        raise ServeError(
+            401,
+            "missing or wrong API key (Authorization: Bearer <key>)",
+            "authentication_error",
+            "invalid_api_key",
+        )
 
 
 async def _http_error(request: Request, error: Exception) -> JSONResponse:

@@ -46,7 +46,10 @@ class ServeSettings(BaseSettings):
         default=2048, ge=1, description="largest max_tokens a request may ask for (400 above)"
     )
     default_max_tokens: int = Field(
-        default=256, ge=1, description="max_tokens of a request that names none"
+        default=256,
+        ge=1,
+        description="max_tokens of a request that names none (at most the room its prompt "
+        "leaves in the context window)",
     )
     shutdown_timeout_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM/SIGINT, finish in-flight work this long"
