@@ -188,6 +188,7 @@ class ChunkEngine:
         exact, exact_until = 0, len(ids)
         if policy != "full":
             exact, exact_until = self._take_prefix(segments, ids, conversation_id, kv)
+        matched = exact  # a chunk inside the matched prefix is a hit, its last token too
         exact = min(exact, len(ids) - 1)  # the last token always runs, for its logits
         placed = self._place(segments, spans, exact, policy) if _reuses(policy) else []
         reused = [slot for p in placed for slot in p.slots]
@@ -232,7 +233,7 @@ class ChunkEngine:
         stats.recomputed_tokens = result.num_recomputed
         stats.computed_tokens = computed.numel()
         stats.chunk_hits, stats.chunk_misses, stored = self._store(
-            segments, starts, contexts, exact, set(reused), exact_until, kv, metas
+            segments, starts, contexts, matched, set(reused), exact_until, kv, metas
         )
         layers = self.lm.spec.num_layers
         stats.extra["token_layer_share"] = result.token_layers / (len(ids) * layers)
@@ -332,8 +333,9 @@ class ChunkEngine:
         kv: SeqKV,
         metas: dict[int, CraftMeta],
     ) -> tuple[int, int, list[tuple[str, str]]]:
-        """Store segments computed fresh as variants: chunk hits, misses, and the
-        (segment id, context) of each variant stored."""
+        """Store segments computed fresh as variants (those not in the ``exact`` tokens of
+        the prefix matched, nor ``reused``): chunk hits, misses, and the (segment id,
+        context) of each variant stored."""
         hits = misses = 0
         fresh: list[tuple[str, str]] = []
         for segment, start, context in zip(segments, starts, contexts, strict=True):

@@ -49,6 +49,16 @@ def test_prefix_reuse_is_exact(lm: LoadedModel) -> None:
     assert_exact(out.logits, full_logits(lm, request))
 
 
+@pytest.mark.parametrize("policy", ["prefix", "reuse", "cacheblend"])
+def test_a_prompt_ending_in_a_cached_chunk_counts_it_a_hit(lm: LoadedModel, policy: str) -> None:
+    engine = ChunkEngine(lm)
+    engine.prefill([SYSTEM, A, B], "full")
+    out = engine.prefill([SYSTEM, A, B], policy)  # type: ignore[arg-type]
+    assert (out.stats.chunk_hits, out.stats.chunk_misses) == (2, 0)
+    assert out.stats.reused_tokens == out.stats.prompt_tokens - 1  # the last token runs
+    assert_exact(out.logits, full_logits(lm, [SYSTEM, A, B]))
+
+
 def test_reuse_in_the_original_context_is_exact(lm: LoadedModel) -> None:
     engine = ChunkEngine(lm)
     engine.prefill([SYSTEM, A, B, QUESTION], "full")
