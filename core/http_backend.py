@@ -9,16 +9,21 @@ server (``POST /v1/chunkcache/render``), which holds the tokenizer.
 >>> backend = HttpBackend("http://127.0.0.1:8000")  # doctest: +SKIP
 >>> llm = ChunkCacheLLM(cache=ChunkCache(backend=backend))  # doctest: +SKIP
 
-Errors: the server unreachable, timing out or failing -> :class:`BackendUnavailableError`;
-a 429 -> :class:`QueueFullError` (with the server's Retry-After); a 503 ->
-:class:`ShuttingDownError`; a 400 -> ValueError with the server's message.
+Errors: the server unreachable, timing out, failing or answering something other than
+the JSON it should -> :class:`BackendUnavailableError`; a 429 -> :class:`QueueFullError`
+(with the server's Retry-After, seconds or a date); a 503 -> :class:`ShuttingDownError`;
+a 400 -> ValueError with the server's message.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from types import UnionType
 from typing import Any
 
 import httpx
@@ -28,6 +33,8 @@ from chunkcache.core.generation import GenerationChunk, GenerationRequest, Gener
 from chunkcache.core.segmenter import ChunkSegment
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
+_DEFAULT_RETRY_AFTER_S = 1.0
+_COMPLETIONS = "POST /v1/completions"
 
 
 class HttpBackend:
@@ -71,9 +78,7 @@ class HttpBackend:
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The server's chat template applied to ``messages``."""
         body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-        with self._request("POST", "/v1/chunkcache/render", body) as response:
-            response.read()
-            return str(response.json()["prompt"])
+        return self._json("POST", "/v1/chunkcache/render", body, prompt=str)["prompt"]
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """Run ``request`` on the server, yielding text as it arrives; the last piece
@@ -81,14 +86,22 @@ class HttpBackend:
         stats: GenerationStats | None = None
         with self._request("POST", "/v1/completions", self._body(request)) as response:
             try:
-                for event in _events(response.iter_lines()):
-                    if "error" in event:
+                for data in _events(response.iter_lines()):
+                    event = _json_object(
+                        data,
+                        _COMPLETIONS,
+                        choices=list | None,
+                        usage=dict | None,
+                        error=dict | None,
+                    )
+                    if event.get("error") is not None:
                         raise BackendUnavailableError(
                             f"chunkcache serve failed mid-stream: {event['error'].get('message')}"
                         )
-                    for choice in event.get("choices", ()):
-                        if choice.get("text"):
-                            yield GenerationChunk(choice["text"])
+                    for choice in event.get("choices") or ():
+                        text = _shaped(choice, _COMPLETIONS, text=str | None).get("text")
+                        if text:
+                            yield GenerationChunk(text)
                     if event.get("usage"):
                         stats = _stats(event["usage"])
             except httpx.HTTPError as error:
@@ -124,14 +137,23 @@ class HttpBackend:
         }
 
     def _load_model_info(self) -> None:
-        with self._request("GET", "/v1/models") as response:
-            response.read()
-            model = response.json()["data"][0]
-        self._model = self._model or str(model["id"])
+        models = self._json("GET", "/v1/models", data=list)["data"]
+        if not models:
+            raise BackendUnavailableError("chunkcache serve answered GET /v1/models with no model")
+        model = _shaped(models[0], "GET /v1/models", id=str, max_model_len=int | None)
+        self._model = self._model or model["id"]
         self._context_window = model.get("max_model_len")
 
     def _request(self, method: str, path: str, body: Any = None) -> _Response:
         return _Response(self._client, method, path, body)
+
+    def _json(
+        self, method: str, path: str, body: Any = None, /, **shape: type | UnionType
+    ) -> dict[str, Any]:
+        """The JSON object ``path`` answers, checked against ``shape`` (see :func:`_shaped`)."""
+        with self._request(method, path, body) as response:
+            response.read()
+            return _json_object(response.text, f"{method} {path}", **shape)
 
 
 class _Response:
@@ -164,7 +186,7 @@ def _raise_for(response: httpx.Response) -> None:
         message = response.text[:200]
     status = response.status_code
     if status == 429:
-        retry = float(response.headers.get("retry-after", "1") or 1)
+        retry = _retry_after_s(response.headers.get("retry-after", ""))
         raise QueueFullError(f"chunkcache serve is full: {message}", retry_after_s=retry)
     if status == 503:
         raise ShuttingDownError(f"chunkcache serve is shutting down: {message}")
@@ -173,27 +195,85 @@ def _raise_for(response: httpx.Response) -> None:
     raise BackendUnavailableError(f"chunkcache serve answered {status}: {message}")
 
 
-def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``."""
+def _retry_after_s(header: str) -> float:
+    """The wait a Retry-After header asks for, as delay-seconds or an HTTP date (RFC 9110):
+    0 for a date past, the default when the header is missing or unreadable."""
+    try:
+        seconds = float(header)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(header)
+        except (ValueError, OverflowError):
+            return _DEFAULT_RETRY_AFTER_S
+        seconds = (when.replace(tzinfo=when.tzinfo or UTC) - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else _DEFAULT_RETRY_AFTER_S
+
+
+def _json_object(text: str, where: str, /, **shape: type | UnionType) -> dict[str, Any]:
+    """``text`` parsed as a JSON object of ``shape`` (see :func:`_shaped`); anything else
+    is a :class:`BackendUnavailableError` naming ``where`` (the endpoint)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise BackendUnavailableError(
+            f"chunkcache serve answered {where} with non-JSON: {text[:200]!r}"
+        ) from None
+    return _shaped(value, where, **shape)
+
+
+def _shaped(value: Any, where: str, /, **shape: type | UnionType) -> dict[str, Any]:
+    """``value`` if it is a JSON object whose ``shape`` keys hold values of those types
+    (a key may be missing if its type allows None), else BackendUnavailableError."""
+    if not isinstance(value, dict):
+        raise BackendUnavailableError(
+            f"chunkcache serve answered {where} with {_clip(value)}, not a JSON object"
+        )
+    for key, kind in shape.items():
+        if not isinstance(value.get(key), kind):
+            raise BackendUnavailableError(
+                f"chunkcache serve answered {where} with a missing or malformed {key!r}: "
+                + _clip(value)
+            )
+    return value
+
+
+def _clip(value: Any) -> str:
+    """``value`` as JSON, cut short for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _events(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``."""
     for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield data
 
 
 def _stats(usage: Mapping[str, Any]) -> GenerationStats:
     """The server's GenerationStats from a usage object (OpenAI fields if no extension)."""
-    extension = usage.get("chunkcache")
-    if isinstance(extension, Mapping):
+    if usage.get("chunkcache") is not None:
+        extension = _shaped(usage["chunkcache"], _COMPLETIONS, policy=str)
         return GenerationStats(**{k: v for k, v in extension.items() if k in _STATS_FIELDS})
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    counts = _shaped(
+        usage,
+        _COMPLETIONS,
+        prompt_tokens=int | None,
+        completion_tokens=int | None,
+        prompt_tokens_details=dict | None,
+    )
+    details = counts.get("prompt_tokens_details") or {}
+    cached = _shaped(details, _COMPLETIONS, cached_tokens=int | None)
+    prompt_tokens = counts.get("prompt_tokens") or 0
+    reused = cached.get("cached_tokens") or 0
     return GenerationStats(
         policy="unknown",
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        reused_tokens=cached,
-        computed_tokens=usage.get("prompt_tokens", 0) - cached,
-        completion_tokens=usage.get("completion_tokens", 0),
+        prompt_tokens=prompt_tokens,
+        reused_tokens=reused,
+        computed_tokens=prompt_tokens - reused,
+        completion_tokens=counts.get("completion_tokens") or 0,
     )

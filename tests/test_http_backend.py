@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
 
 import pytest
 from fake_backend import FakeBackend
 from langchain_core.messages import HumanMessage, SystemMessage
 from pydantic import SecretStr
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
@@ -118,3 +125,96 @@ def test_shutting_down_and_unreachable() -> None:
         )
     with pytest.raises(ValueError, match="http"):
         HttpBackend("127.0.0.1:8000")
+
+
+Canned = tuple[str, dict[str, Response]]
+
+
+@pytest.fixture(scope="module")
+def canned_server() -> Iterator[Canned]:
+    """A misbehaving server: its url, and the replies it gives by path (``/health`` gets "ok")."""
+    replies: dict[str, Response] = {}
+
+    async def reply(request: Request) -> Response:
+        return replies.get(request.url.path, PlainTextResponse("ok"))
+
+    app = Starlette(routes=[Route("/{path:path}", reply, methods=["GET", "POST"])])
+    with serve_app(app) as url:
+        yield url, replies
+
+
+@pytest.fixture
+def canned(canned_server: Canned) -> Canned:
+    """The misbehaving server with no replies left from an earlier test."""
+    canned_server[1].clear()
+    return canned_server
+
+
+def _queue_full(retry_after: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": "full"}}, 429, headers={"Retry-After": retry_after})
+
+
+def _retry_after_s(canned: Canned, retry_after: str) -> float:
+    """The retry_after_s of the QueueFullError for a 429 with this Retry-After header."""
+    url, replies = canned
+    replies["/v1/completions"] = _queue_full(retry_after)
+    with pytest.raises(QueueFullError) as raised:
+        generate(HttpBackend(url, model="m"), build_request("hello", ChunkCache()))
+    return raised.value.retry_after_s
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "seconds"),
+    [
+        ("7", 7.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date past: retry now
+        ("soon", 1.0),  # unreadable: the default
+        ("nan", 1.0),
+        ("-3", 0.0),  # a delay past: retry now
+    ],
+)
+def test_retry_after_seconds_or_date(canned: Canned, retry_after: str, seconds: float) -> None:
+    assert _retry_after_s(canned, retry_after) == seconds
+
+
+def test_retry_after_a_date_ahead(canned: Canned) -> None:
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25.0 < _retry_after_s(canned, when) <= 30.0
+
+
+def _sse(*events: str) -> Response:
+    return Response("".join(f"data: {e}\n\n" for e in events), media_type="text/event-stream")
+
+
+_CALLS: dict[str, Callable[[HttpBackend], Any]] = {
+    "/v1/chunkcache/render": lambda http: http.render_chat([{"role": "user", "content": "x"}]),
+    "/v1/models": lambda http: http.context_window,
+    "/v1/completions": lambda http: generate(http, build_request("hello", ChunkCache())),
+}
+_HELLO = '{"choices": [{"index": 0, "text": "Hello"}]}'
+
+
+@pytest.mark.parametrize(
+    ("path", "reply", "match"),
+    [
+        ("/v1/chunkcache/render", HTMLResponse("<html>login</html>"), "render with non-JSON"),
+        ("/v1/chunkcache/render", JSONResponse({"nope": 1}), "render with .*'prompt'"),
+        ("/v1/chunkcache/render", JSONResponse(["a"]), "render with .*not a JSON object"),
+        ("/v1/models", JSONResponse({"data": []}), "models with no model"),
+        ("/v1/models", JSONResponse({"data": [{"name": "m"}]}), "models with .*'id'"),
+        ("/v1/completions", _sse(_HELLO, '{"choices": [tru'), "completions with non-JSON"),
+        ("/v1/completions", _sse(_HELLO, "[1, 2]"), "completions with .*not a JSON object"),
+        ("/v1/completions", _sse('{"choices": ["Hello"]}'), "completions with .*not a JSON"),
+        ("/v1/completions", _sse('{"error": "engine died"}'), "completions with .*'error'"),
+        ("/v1/completions", _sse('{"usage": {"chunkcache": {}}}'), "completions with .*'policy'"),
+        ("/v1/completions", _sse('{"usage": {"prompt_tokens": "3"}}'), "'prompt_tokens'"),
+    ],
+)
+def test_garbage_answers_are_backend_unavailable(
+    canned: Canned, path: str, reply: Response, match: str
+) -> None:
+    """A 200 whose body is not the JSON the endpoint promises, not a bare Python error."""
+    url, replies = canned
+    replies[path] = reply
+    with pytest.raises(BackendUnavailableError, match=match):
+        _CALLS[path](HttpBackend(url, model="m"))
