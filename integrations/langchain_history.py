@@ -164,14 +164,22 @@ def with_chunk_history(
         chunk_ids = [doc.metadata["chunk_id"] for doc in documents if "chunk_id" in doc.metadata]
         return [HumanMessage(content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids})]
 
+    def question_in(inputs: dict[str, Any]) -> str:
+        if question_key not in inputs:
+            raise KeyError(
+                f"with_chunk_history reads the question from input key {question_key!r} "
+                f"(question_key=); the input has {sorted(inputs)}"
+            )
+        return str(inputs[question_key])
+
     def build_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+        question = question_in(inputs)
         prepare(config)
-        question = inputs[question_key]
         return turn_messages(retriever.invoke(question, config), question)
 
     async def abuild_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+        question = question_in(inputs)
         await aprepare(config)
-        question = inputs[question_key]
         return turn_messages(await retriever.ainvoke(question, config), question)
 
     add_turn = RunnablePassthrough.assign(

@@ -175,3 +175,9 @@ def test_a_persisted_history_restores_dedupe_in_a_new_process() -> None:
 def test_max_history_turns_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_history_turns"):
         Conversation(max_history_turns=0)
+
+
+def test_a_missing_question_key_says_which_key_it_wants() -> None:
+    conversation = Conversation()
+    with pytest.raises(KeyError, match="question_key"):
+        conversation.chain.invoke({"query": "0"}, config=CONFIG)
