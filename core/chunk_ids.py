@@ -14,7 +14,7 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-from chunkcache.core.errors import InvalidChunkError
+from chunkcache.core.errors import InvalidChunkError, InvalidTextError
 
 CHUNK_ID_METADATA_KEY = "chunk_id"
 _ID_TAG = b"chunkcache/chunk-id/v1\x00"
@@ -28,6 +28,20 @@ def normalize_text(text: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"chunk text must be str, got {type(text).__name__}")
     return unicodedata.normalize("NFC", text)
+
+
+def check_unicode(text: str) -> str:
+    """Return ``text`` if it is valid Unicode a tokenizer can read, else raise
+    :class:`InvalidTextError` naming the lone surrogate (half of a split emoji) and where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start : error.end].encode("unicode_escape").decode()
+        raise InvalidTextError(
+            f"the text is not valid Unicode: {bad} at character {error.start} "
+            "(a lone surrogate, e.g. half of an emoji split apart)"
+        ) from None
+    return text
 
 
 def chunk_id(text: str, namespace: str = "") -> str:

@@ -18,9 +18,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from chunkcache.core.chunk_ids import content_bound_id
+from chunkcache.core.chunk_ids import check_unicode, content_bound_id
 from chunkcache.core.engine import TokenSegment
-from chunkcache.core.errors import InvalidTextError
 from chunkcache.core.kv_store import segment_key
 from chunkcache.core.segmenter import ChunkSegment, Segment
 
@@ -44,14 +43,7 @@ class SegmentTokenizer:
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` with no special tokens added."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            bad = text[error.start : error.end].encode("unicode_escape").decode()
-            raise InvalidTextError(
-                f"the prompt is not valid Unicode: {bad} at character {error.start} "
-                "(a lone surrogate, e.g. half of an emoji split apart)"
-            ) from None
+        check_unicode(text)
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def __call__(self, segments: Sequence[Segment]) -> list[TokenSegment]:

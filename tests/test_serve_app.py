@@ -19,6 +19,7 @@ from chunkcache.core.serve import ServeSettings, create_app
 
 CHUNK = "The quick brown fox jumps over the lazy dog near the river bank."
 MODEL = FakeBackend.model_name
+JSON = {"content-type": "application/json"}
 
 
 def chat(content: str = "Hello there", **extra: object) -> dict[str, object]:
@@ -178,6 +179,23 @@ def error_of(response: object) -> tuple[int, str]:
 def test_bad_input_is_a_400(client: TestClient, body: dict[str, object]) -> None:
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     assert error_of(client.post(path, json=body)) == (400, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat("half an emoji \ud83d")),
+        ("/v1/chunkcache/render", {"messages": [{"role": "user", "content": "x \ud83d"}]}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x \ud83d"}),
+        ("/v1/chunks", {"chunks": [{"text": "x \ud83d"}]}),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_that_names_it(
+    client: TestClient, path: str, body: dict[str, object]
+) -> None:
+    response = client.post(path, content=json.dumps(body), headers=JSON)  # escaped: "\\ud83d"
+    assert error_of(response) == (400, "invalid_request_error")
+    assert "unicode" in response.json()["error"]["message"].lower()
 
 
 def test_malformed_json_and_unknown_model(client: TestClient) -> None:

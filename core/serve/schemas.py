@@ -14,14 +14,16 @@ with a 400 rather than silently ignored; other unknown fields are ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from chunkcache.core.chunk_ids import chunk_id
+from chunkcache.core.chunk_ids import check_unicode, chunk_id
 from chunkcache.core.generation import Policy
 
 MAX_CHUNKS_PER_REQUEST = 10_000
+# JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
+Text = Annotated[str, AfterValidator(check_unicode)]
 # Present and not null/false/empty: the request asks for something this server cannot do.
 UNSUPPORTED = (
     "tools",
@@ -44,7 +46,7 @@ class ChunkRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(default=None, max_length=128)
-    text: str = Field(min_length=1)
+    text: Text = Field(min_length=1)
 
     def pair(self) -> tuple[str, str]:
         """(chunk id, text), the id computed from the text when it was not given."""
@@ -69,14 +71,14 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """A chat message with text content (a string or text parts)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def as_dict(self) -> dict[str, str]:
         """``role``/``content`` for the chat template (``developer`` is a system message)."""
@@ -95,7 +97,7 @@ class GenerationBody(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool = False
@@ -128,7 +130,7 @@ class ChatCompletionBody(GenerationBody):
 
 
 class CompletionBody(GenerationBody):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
