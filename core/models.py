@@ -200,7 +200,16 @@ def load_model(
     except Exception as e:
         raise ModelLoadError(f"cannot load the model at {where}: {e}") from e
     hf, info = loaded  # output_loading_info=True: (model, loading info)
-    if info["missing_keys"] or info["mismatched_keys"]:
-        missing = sorted(info["missing_keys"]) + [str(m) for m in info["mismatched_keys"]]
-        raise ModelLoadError(f"weights at {where} are incomplete or mismatched: {missing[:5]}")
+    # Unexpected keys too: a config with fewer layers than its weights loads "fine" and
+    # answers garbage.
+    problems = [
+        *(f"missing {key}" for key in sorted(info["missing_keys"])),
+        *(f"unexpected {key}" for key in sorted(info["unexpected_keys"])),
+        *(f"mismatched {key}" for key in info["mismatched_keys"]),
+    ]
+    if problems:
+        raise ModelLoadError(
+            f"weights at {where} do not match its config ({len(problems)} tensors): "
+            + ", ".join(map(str, problems[:5]))
+        )
     return LoadedModel.from_hf(hf.to(device or default_device()), tokenizer, weights)

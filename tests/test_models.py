@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_checkpoint, tiny_hf_model, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from chunkcache.core.model_files import DIGEST_CACHE, ModelLoadError
+from chunkcache.core.model_files import DIGEST_CACHE, ModelLoadError, _copy_damage
 from chunkcache.core.model_forward import prefill
 from chunkcache.core.models import (
     ONEDNN_SHAPE_CACHE_ENTRIES,
@@ -98,8 +99,41 @@ def test_incomplete_weights_are_a_clear_error(checkpoint: Path) -> None:
     tensors = load_file(checkpoint / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="incomplete"):
+    with pytest.raises(ModelLoadError, match=r"missing model\.layers\.1\.mlp\.up_proj\.weight"):
         _load(checkpoint)
+
+
+def test_a_config_with_fewer_layers_than_its_weights_is_refused(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(ModelLoadError, match=r"unexpected model\.layers\.2\."):
+        _load(checkpoint)
+
+
+def test_a_copied_digest_cache_is_not_trusted_for_edited_weights(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The digest cache travels with ``cp -a``; an edit that keeps size and mtime must
+    still change the fingerprint (KV of one model is never served to another)."""
+    first = _load(checkpoint).fingerprint
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy, copy_function=shutil.copy2)  # like cp -a
+    weights = copy / "model.safetensors"
+    stat = weights.stat()
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01  # one bit of the last tensor
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _load(copy).fingerprint != first
+
+
+def test_a_damaged_model_copy_is_found(checkpoint: Path) -> None:
+    assert _copy_damage(checkpoint) is None
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "model.safetensors" in str(_copy_damage(checkpoint))
+    (checkpoint / "config.json").unlink()
+    assert _copy_damage(checkpoint) == "no config.json"
 
 
 def test_pickled_weights_are_refused(checkpoint: Path) -> None:
@@ -158,3 +192,18 @@ def test_loading_caps_onednn_shape_cache_but_keeps_a_users_setting(
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     load_model(checkpoint, device="cpu")
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+@pytest.mark.slow
+def test_a_damaged_default_model_copy_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from chunkcache.core.model_files import pull_default_model
+
+    monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path))
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # a copy cut short: no weights
+    assert pull_default_model() == target
+    assert "damaged (no model.safetensors" in caplog.text
+    assert _load(target).spec.num_layers == 30
