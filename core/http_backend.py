@@ -17,7 +17,6 @@ a 400 -> ValueError with the server's message.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
@@ -30,11 +29,13 @@ import httpx
 
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
+from chunkcache.core.json_shapes import json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
 _DEFAULT_RETRY_AFTER_S = 1.0
 _COMPLETIONS = "POST /v1/completions"
+_SERVER = "chunkcache serve"
 
 
 class HttpBackend:
@@ -87,9 +88,10 @@ class HttpBackend:
         with self._request("POST", "/v1/completions", self._body(request)) as response:
             try:
                 for data in _events(response.iter_lines()):
-                    event = _json_object(
+                    event = json_object(
                         data,
                         _COMPLETIONS,
+                        _SERVER,
                         choices=list | None,
                         usage=dict | None,
                         error=dict | None,
@@ -99,7 +101,7 @@ class HttpBackend:
                             f"chunkcache serve failed mid-stream: {event['error'].get('message')}"
                         )
                     for choice in event.get("choices") or ():
-                        text = _shaped(choice, _COMPLETIONS, text=str | None).get("text")
+                        text = shaped(choice, _COMPLETIONS, _SERVER, text=str | None).get("text")
                         if text:
                             yield GenerationChunk(text)
                     if event.get("usage"):
@@ -140,7 +142,7 @@ class HttpBackend:
         models = self._json("GET", "/v1/models", data=list)["data"]
         if not models:
             raise BackendUnavailableError("chunkcache serve answered GET /v1/models with no model")
-        model = _shaped(models[0], "GET /v1/models", id=str, max_model_len=int | None)
+        model = shaped(models[0], "GET /v1/models", _SERVER, id=str, max_model_len=int | None)
         self._model = self._model or model["id"]
         self._context_window = model.get("max_model_len")
 
@@ -150,10 +152,10 @@ class HttpBackend:
     def _json(
         self, method: str, path: str, body: Any = None, /, **shape: type | UnionType
     ) -> dict[str, Any]:
-        """The JSON object ``path`` answers, checked against ``shape`` (see :func:`_shaped`)."""
+        """The JSON object ``path`` answers, checked against ``shape`` (see :func:`shaped`)."""
         with self._request(method, path, body) as response:
             response.read()
-            return _json_object(response.text, f"{method} {path}", **shape)
+            return json_object(response.text, f"{method} {path}", _SERVER, **shape)
 
 
 class _Response:
@@ -209,40 +211,6 @@ def _retry_after_s(header: str) -> float:
     return max(0.0, seconds) if math.isfinite(seconds) else _DEFAULT_RETRY_AFTER_S
 
 
-def _json_object(text: str, where: str, /, **shape: type | UnionType) -> dict[str, Any]:
-    """``text`` parsed as a JSON object of ``shape`` (see :func:`_shaped`); anything else
-    is a :class:`BackendUnavailableError` naming ``where`` (the endpoint)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise BackendUnavailableError(
-            f"chunkcache serve answered {where} with non-JSON: {text[:200]!r}"
-        ) from None
-    return _shaped(value, where, **shape)
-
-
-def _shaped(value: Any, where: str, /, **shape: type | UnionType) -> dict[str, Any]:
-    """``value`` if it is a JSON object whose ``shape`` keys hold values of those types
-    (a key may be missing if its type allows None), else BackendUnavailableError."""
-    if not isinstance(value, dict):
-        raise BackendUnavailableError(
-            f"chunkcache serve answered {where} with {_clip(value)}, not a JSON object"
-        )
-    for key, kind in shape.items():
-        if not isinstance(value.get(key), kind):
-            raise BackendUnavailableError(
-                f"chunkcache serve answered {where} with a missing or malformed {key!r}: "
-                + _clip(value)
-            )
-    return value
-
-
-def _clip(value: Any) -> str:
-    """``value`` as JSON, cut short for an error message."""
-    text = json.dumps(value)
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
 def _events(lines: Iterator[str]) -> Iterator[str]:
     """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``."""
     for line in lines:
@@ -257,17 +225,18 @@ def _events(lines: Iterator[str]) -> Iterator[str]:
 def _stats(usage: Mapping[str, Any]) -> GenerationStats:
     """The server's GenerationStats from a usage object (OpenAI fields if no extension)."""
     if usage.get("chunkcache") is not None:
-        extension = _shaped(usage["chunkcache"], _COMPLETIONS, policy=str)
+        extension = shaped(usage["chunkcache"], _COMPLETIONS, _SERVER, policy=str)
         return GenerationStats(**{k: v for k, v in extension.items() if k in _STATS_FIELDS})
-    counts = _shaped(
+    counts = shaped(
         usage,
         _COMPLETIONS,
+        _SERVER,
         prompt_tokens=int | None,
         completion_tokens=int | None,
         prompt_tokens_details=dict | None,
     )
     details = counts.get("prompt_tokens_details") or {}
-    cached = _shaped(details, _COMPLETIONS, cached_tokens=int | None)
+    cached = shaped(details, _COMPLETIONS, _SERVER, cached_tokens=int | None)
     prompt_tokens = counts.get("prompt_tokens") or 0
     reused = cached.get("cached_tokens") or 0
     return GenerationStats(

@@ -10,13 +10,17 @@ cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
 The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
 cached tokens (and ``--enable-prefix-caching`` to have any).
 
+Errors: a ``base_url`` that is not an http(s) URL -> ValueError when the backend is made;
+the server unreachable, timing out or failing, or answering anything but a complete event
+stream of completion events (ending in ``data: [DONE]``, with the usage asked for) ->
+:class:`BackendUnavailableError` naming the server and the endpoint.
+
 >>> backend = VllmBackend("http://127.0.0.1:8000", "SmolLM2-135M-Instruct")  # doctest: +SKIP
 >>> llm = ChunkCacheLLM(chunk_cache=ChunkCache(backend=backend))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,16 +30,21 @@ import httpx
 
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
+from chunkcache.core.json_shapes import clip, json_object, shaped
 from chunkcache.core.tokenization import render_chat
 
 __all__ = ["VllmBackend"]
+
+_COMPLETIONS = "POST /v1/completions"
+_SSE_FIELDS = frozenset({"data", "event", "id", "retry"})
 
 
 class VllmBackend:
     """Runs requests on a vLLM server; vLLM's prefix cache does the reuse.
 
     Args:
-        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1`` is added).
+        base_url: the server, an http(s) URL such as ``http://127.0.0.1:8000`` (``/v1`` is
+            added).
         model: the model name the server serves (``--served-model-name``).
         api_key: sent as a bearer token when the server wants one (``--api-key``).
         timeout_s: how long one request may take, end to end.
@@ -59,8 +68,9 @@ class VllmBackend:
             raise ValueError("model must name the model the vLLM server serves")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.base_url = _root_url(base_url)
         self.model_name = model
+        self._server = f"vLLM at {self.base_url}"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             base_url=f"{self.base_url}/v1",
@@ -84,29 +94,44 @@ class VllmBackend:
         return render_chat(self.tokenizer, messages)
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        """Send the prompt (the segments' text, in order) and stream vLLM's answer."""
+        """Send the prompt (the segments' text, in order) and stream vLLM's answer; the last
+        piece carries the stats, from the usage vLLM reports after the text."""
         started = time.perf_counter()
         stats = GenerationStats(policy="prefix")
+        has_usage = False
         body = self._body(request)
         try:
             with self._client.stream("POST", "/completions", json=body) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise BackendUnavailableError(
-                        f"vLLM at {self.base_url} answered {response.status_code}: "
+                        f"{self._server} answered {_COMPLETIONS} with {response.status_code}: "
                         f"{response.text[:500]}"
                     )
-                for event in _events(response.iter_lines()):
-                    for choice in event.get("choices") or ():
+                for event in _events(response.iter_lines(), self._server):
+                    for item in event.get("choices") or ():
+                        choice = shaped(
+                            item,
+                            _COMPLETIONS,
+                            self._server,
+                            text=str | None,
+                            finish_reason=str | None,
+                        )
                         if not stats.ttft_s:
                             stats.ttft_s = time.perf_counter() - started
                         stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
                         if choice.get("text"):
                             yield GenerationChunk(choice["text"])
-                    if event.get("usage"):
-                        _fill_usage(stats, event["usage"])
+                    if event.get("usage") is not None:
+                        _fill_usage(stats, event["usage"], self._server)
+                        has_usage = True
         except httpx.HTTPError as e:
-            raise BackendUnavailableError(f"vLLM at {self.base_url} failed: {e}") from e
+            raise BackendUnavailableError(f"{self._server} failed: {e}") from e
+        if not has_usage:
+            raise BackendUnavailableError(
+                f"{self._server} answered {_COMPLETIONS} without the usage it was asked for "
+                "(stream_options.include_usage)"
+            )
         stats.total_s = time.perf_counter() - started
         yield GenerationChunk("", stats)
 
@@ -136,31 +161,69 @@ class VllmBackend:
         return body
 
 
-def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
+def _events(lines: Iterator[str], server: str) -> Iterator[dict[str, Any]]:
+    """The completion events of a server-sent event stream, up to ``data: [DONE]``; a line
+    that is not SSE, an event that is not a completion or an error, or a stream that ends
+    before ``[DONE]`` is a :class:`BackendUnavailableError`."""
+    count = 0
     for line in lines:
-        if not line.startswith("data:"):
+        field, _, value = line.partition(":")
+        if not field:  # a blank line ends an event; a leading colon is a comment
             continue
-        data = line[len("data:") :].strip()
+        if field not in _SSE_FIELDS:
+            raise BackendUnavailableError(
+                f"{server} answered {_COMPLETIONS} with something other than server-sent "
+                f"events: {line[:200]!r}"
+            )
+        if field != "data":
+            continue
+        data = value.strip()
         if data == "[DONE]":
             return
-        try:
-            event = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise BackendUnavailableError(f"vLLM sent an event that is not JSON: {data!r}") from e
-        if "error" in event:
-            raise BackendUnavailableError(f"vLLM failed mid-stream: {event['error']}")
+        event = json_object(
+            data, _COMPLETIONS, server, choices=list | None, usage=dict | None, error=dict | None
+        )
+        if event.get("error") is not None:
+            raise BackendUnavailableError(f"{server} failed mid-stream: {clip(event['error'])}")
+        count += 1
         yield event
+    raise BackendUnavailableError(
+        f"{server} ended the {_COMPLETIONS} stream without data: [DONE], after {count} "
+        "event(s): the answer is cut off"
+    )
 
 
-def _fill_usage(stats: GenerationStats, usage: Mapping[str, Any]) -> None:
+def _fill_usage(stats: GenerationStats, usage: Any, server: str) -> None:
     """Token counts from an OpenAI ``usage`` object; vLLM's cached tokens are the reused."""
-    stats.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    stats.completion_tokens = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    stats.reused_tokens = int(details.get("cached_tokens") or 0)
+    counts = shaped(
+        usage,
+        _COMPLETIONS,
+        server,
+        prompt_tokens=int,
+        completion_tokens=int | None,
+        prompt_tokens_details=dict | None,
+    )
+    details = shaped(
+        counts.get("prompt_tokens_details") or {}, _COMPLETIONS, server, cached_tokens=int | None
+    )
+    stats.prompt_tokens = counts["prompt_tokens"]
+    stats.completion_tokens = counts.get("completion_tokens") or 0
+    stats.reused_tokens = details.get("cached_tokens") or 0
     stats.computed_tokens = stats.prompt_tokens - stats.reused_tokens
     stats.extra["cached_tokens_reported"] = "cached_tokens" in details
+
+
+def _root_url(base_url: str) -> str:
+    """``base_url`` without a trailing ``/`` or ``/v1``; a ValueError unless it is an http(s)
+    URL with a host."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        url = httpx.URL(root)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"base_url {base_url!r} is not a valid URL: {e}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"base_url must be an http(s) URL with a host, got {base_url!r}")
+    return root
 
 
 def _local_tokenizer(model: str) -> Any:

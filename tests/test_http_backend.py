@@ -200,6 +200,11 @@ _HELLO = '{"choices": [{"index": 0, "text": "Hello"}]}'
         ("/v1/chunkcache/render", HTMLResponse("<html>login</html>"), "render with non-JSON"),
         ("/v1/chunkcache/render", JSONResponse({"nope": 1}), "render with .*'prompt'"),
         ("/v1/chunkcache/render", JSONResponse(["a"]), "render with .*not a JSON object"),
+        (
+            "/v1/chunkcache/render",
+            Response("[" * 100_000, media_type="application/json"),
+            "render with non-JSON",
+        ),
         ("/v1/models", JSONResponse({"data": []}), "models with no model"),
         ("/v1/models", JSONResponse({"data": [{"name": "m"}]}), "models with .*'id'"),
         ("/v1/completions", _sse(_HELLO, '{"choices": [tru'), "completions with non-JSON"),
@@ -216,5 +221,5 @@ def test_garbage_answers_are_backend_unavailable(
     """A 200 whose body is not the JSON the endpoint promises, not a bare Python error."""
     url, replies = canned
     replies[path] = reply
-    with pytest.raises(BackendUnavailableError, match=match):
+    with pytest.raises(BackendUnavailableError, match=f"^chunkcache serve answered .*{match}"):
         _CALLS[path](HttpBackend(url, model="m"))

@@ -1,21 +1,28 @@
-"""VllmBackend: request mapping and usage parsing on a fake transport; a real vLLM server (slow)."""
+"""VllmBackend: request mapping and usage parsing on a fake transport, garbage answers from a
+local HTTP server, and a real vLLM server (slow)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import BackendUnavailableError
-from chunkcache.core.generation import GenerationRequest, SamplingParams
+from chunkcache.core.generation import GenerationRequest, GenerationStats, SamplingParams
 from chunkcache.core.model_files import ModelLoadError
 from chunkcache.core.prompting import generate
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
+from chunkcache.core.serve.launcher import serve_app
 from chunkcache.core.vllm_server import VllmServerConfig, vllm_installed
 from chunkcache.integrations.langchain import ChunkCacheLLM
 from chunkcache.integrations.vllm import VllmBackend
@@ -157,6 +164,106 @@ def test_bad_arguments_are_refused() -> None:
         VllmBackend("http://127.0.0.1:1", "")
     with pytest.raises(ValueError, match="timeout_s"):
         VllmBackend("http://127.0.0.1:1", "m", timeout_s=0)
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "127.0.0.1:8000", "ftp://host", "http://", ""])
+def test_a_base_url_that_is_not_an_http_url_is_refused_when_made(url: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(url))):
+        VllmBackend(url, "m", tokenizer=ChatMLTokenizer())
+
+
+Canned = tuple[str, list[Response]]
+
+
+@pytest.fixture(scope="module")
+def canned_server() -> Iterator[Canned]:
+    """A local HTTP server whose /v1/completions answers the reply put in its list."""
+    reply: list[Response] = []
+
+    async def completions(request: Request) -> Response:
+        return reply[0]
+
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    routes = [Route("/health", health), Route("/v1/completions", completions, methods=["POST"])]
+    with serve_app(Starlette(routes=routes)) as url:
+        yield url, reply
+
+
+def answer(canned_server: Canned, reply: Response) -> tuple[str, GenerationStats]:
+    """What VllmBackend makes of ``reply`` from a real HTTP server: the text and stats."""
+    url, replies = canned_server
+    replies[:] = [reply]
+    return generate(VllmBackend(url, "smol", tokenizer=ChatMLTokenizer()), request())
+
+
+def _sse(*data: str) -> Response:
+    return Response("".join(f"data: {d}\n\n" for d in data), media_type="text/event-stream")
+
+
+_HI = json.dumps({"choices": [{"index": 0, "text": "Hi", "finish_reason": "stop"}]})
+_USAGE = json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+
+
+def test_a_complete_stream_from_a_real_server_is_the_answer(canned_server: Canned) -> None:
+    """Comments and other SSE fields are allowed around the events."""
+    body = f": ping\n\nevent: message\ndata: {_HI}\n\ndata: {_USAGE}\n\ndata: [DONE]\n\n"
+    reply = Response(body, media_type="text/event-stream")
+    text, stats = answer(canned_server, reply)
+    assert (text, stats.prompt_tokens, stats.finish_reason) == ("Hi", 9, "stop")
+
+
+def _usage(usage: Any) -> str:
+    return json.dumps({"choices": [], "usage": usage})
+
+
+@pytest.mark.parametrize(
+    ("reply", "wrong"),
+    [
+        pytest.param(
+            HTMLResponse("<html><body>Welcome to nginx</body></html>"),
+            "with something other than server-sent events: '<html>",
+            id="html",
+        ),
+        pytest.param(
+            JSONResponse({"choices": [{"text": "all of it"}], "usage": {"prompt_tokens": 3}}),
+            "with something other than server-sent events: '{",
+            id="plain-json",
+        ),
+        pytest.param(_sse(), "without data: [DONE], after 0 event(s)", id="empty"),
+        pytest.param(_sse(_HI), "without data: [DONE], after 1 event(s)", id="cut-off"),
+        pytest.param(_sse(_HI, "[DONE]"), "without the usage it was asked for", id="no-usage"),
+        pytest.param(_sse("{not json"), "with non-JSON: '{not json'", id="not-json"),
+        pytest.param(_sse("[" * 100_000), "with non-JSON: '[[[", id="too-deep"),
+        pytest.param(_sse("5"), "with 5, not a JSON object", id="number"),
+        pytest.param(_sse("null"), "with null, not a JSON object", id="null"),
+        pytest.param(_sse("[1, 2]"), "with [1, 2], not a JSON object", id="list"),
+        pytest.param(_sse('{"choices": ["Hi"]}'), 'with "Hi", not a JSON object', id="choice"),
+        pytest.param(_sse('{"choices": {"text": "Hi"}}'), "malformed 'choices'", id="choices"),
+        pytest.param(_sse('{"choices": [{"text": 123}]}'), "malformed 'text'", id="text"),
+        pytest.param(_sse(_HI, _usage("lots")), "malformed 'usage'", id="usage"),
+        pytest.param(_sse(_HI, _usage({})), "malformed 'prompt_tokens'", id="no-prompt-tokens"),
+        pytest.param(
+            _sse(_HI, _usage({"prompt_tokens": "ten"})), "malformed 'prompt_tokens'", id="tokens"
+        ),
+        pytest.param(
+            _sse(_HI, _usage({"prompt_tokens": 5, "prompt_tokens_details": [1]})),
+            "malformed 'prompt_tokens_details'",
+            id="details",
+        ),
+    ],
+)
+def test_garbage_answers_are_backend_unavailable(
+    canned_server: Canned, reply: Response, wrong: str
+) -> None:
+    """A 200 that is not a complete stream of completion events is an error naming the
+    server, the endpoint and what was wrong, never a (partial) answer or a bare Python error."""
+    with pytest.raises(BackendUnavailableError) as raised:
+        answer(canned_server, reply)
+    url = canned_server[0]
+    assert str(raised.value).startswith(f"vLLM at {url} ")
+    assert "POST /v1/completions" in str(raised.value) and wrong in str(raised.value)
 
 
 def test_chat_template_of_an_unknown_model_asks_for_a_tokenizer(tmp_path: Path) -> None:
