@@ -9,10 +9,34 @@ chunkcache serve [--port P]     an OpenAI-compatible server over the engine (doc
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from chunkcache.core.bench.cli import add_bench_parser
+from chunkcache.core.bench.cli import (
+    POSITIVE,
+    add_bench_parser,
+    bounded_int,
+    existing_dir,
+    existing_file,
+)
+from chunkcache.core.errors import ChunkCacheError
+
+if TYPE_CHECKING:
+    from chunkcache.core.store.settings import StoreSettings
+
+# What a user causes (a bad value, file or setting) is told in one line, not a traceback:
+# chunkcache's own errors (ModelLoadError among them), failed validation (pydantic's and a
+# TOML or JSON parser's errors are ValueErrors) and files that cannot be used.
+USER_ERRORS = (
+    ChunkCacheError,
+    ValueError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def _models_pull(args: argparse.Namespace) -> None:
@@ -30,13 +54,12 @@ def _warm(args: argparse.Namespace) -> None:
 
     from chunkcache.core.engine import ChunkEngine
     from chunkcache.core.models import load_model
-    from chunkcache.core.store.settings import StoreSettings
     from chunkcache.core.store.tiered import TieredKVStore
     from chunkcache.core.store.warm import chroma_chunks, corpus_chunks, folder_chunks, warm
 
-    settings = StoreSettings.from_file(args.config) if args.config else StoreSettings()
+    settings = _store_settings(args.config)
     if not settings.disk_bytes and not settings.redis_url:
-        raise SystemExit("warm needs a disk or Redis tier to keep what it computes")
+        raise ValueError("warm needs a disk or Redis tier to keep what it computes")
     if args.folder:
         source = folder_chunks(args.folder, args.chunk_chars)
     elif args.chroma:
@@ -44,6 +67,8 @@ def _warm(args: argparse.Namespace) -> None:
     else:
         source = corpus_chunks(args.max_chunks)
     chunks = list(source)[: args.max_chunks]
+    if not chunks:
+        raise ValueError(f"nothing to warm: no text in {args.folder or args.chroma}")
     lm = load_model(args.model, dtype=getattr(torch, args.dtype))
     store = TieredKVStore.from_settings(settings.model_copy(update={"write_through": True}))
     try:
@@ -54,6 +79,21 @@ def _warm(args: argparse.Namespace) -> None:
         f"warm: {report.computed} chunks computed, {report.skipped} already stored, "
         f"{report.seconds:.1f} s; fingerprint {lm.fingerprint}"
     )
+
+
+def _store_settings(config: Path | None) -> StoreSettings:
+    """The store settings, read from ``config`` if given (named when it does not parse)."""
+    import json
+    import tomllib
+
+    from chunkcache.core.store.settings import StoreSettings
+
+    if config is None:
+        return StoreSettings()
+    try:
+        return StoreSettings.from_file(config)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config}: {error}") from error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,16 +115,21 @@ def _add_warm_parser(commands: Any) -> None:
     warm = commands.add_parser(
         "warm", help="precompute chunk KV of the bundled corpus or a folder into the store"
     )
-    warm.add_argument("--folder", help="a folder of .txt/.md files (default: bundled corpus)")
-    warm.add_argument("--chroma", help="a persistent Chroma directory (with --collection)")
+    source = warm.add_mutually_exclusive_group()
+    source.add_argument(
+        "--folder", type=existing_dir, help="a folder of .txt/.md files (default: bundled corpus)"
+    )
+    source.add_argument(
+        "--chroma", type=existing_dir, help="a persistent Chroma directory (with --collection)"
+    )
     warm.add_argument("--collection", default="langchain", help="the Chroma collection")
     warm.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
     warm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     warm.add_argument("--prefix", default="", help="text before each chunk (the system prompt)")
     warm.add_argument("--policy", default="full", choices=["full", "cachecraft"])
-    warm.add_argument("--chunk-chars", type=int, default=1000, help="chunk size for --folder")
-    warm.add_argument("--max-chunks", type=int, default=None, help="warm at most this many")
-    warm.add_argument("--config", help="store settings file (.toml/.json)")
+    warm.add_argument("--chunk-chars", type=POSITIVE, default=1000, help="chunk size for --folder")
+    warm.add_argument("--max-chunks", type=POSITIVE, help="warm at most this many")
+    warm.add_argument("--config", type=existing_file, help="store settings file (.toml/.json)")
     warm.set_defaults(run=_warm)
 
 
@@ -100,14 +145,36 @@ def _add_serve_parser(commands: Any) -> None:
         "serve", help="OpenAI-compatible HTTP server (more settings: CHUNKCACHE_SERVE_* env)"
     )
     serve.add_argument("--host", help="interface (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--port", type=bounded_int(0, 65535), help="TCP port (default 8000)")
     serve.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
     serve.set_defaults(run=_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    """Run the command ``argv`` names; a user's mistake exits with one line (2 from argparse,
+    else 1), a bug with its traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except USER_ERRORS as error:
+        print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _one_line(error: Exception) -> str:
+    """``error``'s message: a pydantic validation error field by field, an OS error with its
+    path."""
+    pydantic_core = sys.modules.get("pydantic_core")  # imported if it raised the error
+    if pydantic_core is not None and isinstance(error, pydantic_core.ValidationError):
+        fields = (
+            f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}"
+            for e in error.errors(include_url=False)
+        )
+        return f"invalid {error.title}: " + "; ".join(fields)
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,14 @@ def test_folder_chunks_pack_paragraphs(tmp_path: Path) -> None:
     assert len({cid for cid, _ in chunks}) == len(chunks)
 
 
+def test_folder_chunks_refuse_a_path_that_is_no_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing"):
+        folder_chunks(tmp_path / "missing")
+    (tmp_path / "file.txt").write_text("w1 w2")
+    with pytest.raises(NotADirectoryError, match=r"file\.txt"):
+        folder_chunks(tmp_path / "file.txt")
+
+
 def test_warm_is_resumable_and_its_kv_is_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -80,3 +88,14 @@ def test_chroma_collection_chunks_carry_the_retriever_ids(tmp_path: Path) -> Non
     got = dict(chroma_chunks(tmp_path / "chroma", "docs"))
     pinned = chunk_id_for("w5 w6 w7", {"chunk_id": "my-id"})
     assert got == {pinned: "w5 w6 w7", chunk_id("w8 w9"): "w8 w9"}
+    with pytest.raises(ValueError, match=r"no collection 'nope' in .* \(it has: docs\)"):
+        chroma_chunks(tmp_path / "chroma", "nope")
+
+
+def test_chroma_chunks_refuse_a_folder_without_a_database(tmp_path: Path) -> None:
+    from chunkcache.core.store.warm import chroma_chunks
+
+    (tmp_path / "typo").mkdir()
+    with pytest.raises(FileNotFoundError, match="no Chroma database"):
+        chroma_chunks(tmp_path / "typo", "docs")
+    assert not any((tmp_path / "typo").iterdir())  # Chroma would have made one there

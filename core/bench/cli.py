@@ -3,12 +3,73 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS
+from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
+
+
+def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (and at most ``maximum``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f"at least {minimum}" if maximum is None else f"{minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+POSITIVE = bounded_int(1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def existing_dir(text: str) -> Path:
+    """An argparse ``type``: a directory that exists."""
+    return _existing(text, Path.is_dir, "a directory")
+
+
+def existing_file(text: str) -> Path:
+    """An argparse ``type``: a file that exists."""
+    return _existing(text, Path.is_file, "a file")
+
+
+def _existing(text: str, check: Callable[[Path], bool], what: str) -> Path:
+    path = Path(text).expanduser()
+    if not check(path):
+        problem = f"is not {what}" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{path} {problem}")
+    return path
+
+
+def _system_name(text: str) -> str:
+    """An argparse ``type``: a ``bench rag`` system, or a policy (its systems in every app)."""
+    from chunkcache.core.bench.rag_bench import select_systems
+
+    try:
+        select_systems([text])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _engine(args: argparse.Namespace) -> None:
@@ -51,6 +112,10 @@ def _rag(args: argparse.Namespace) -> None:
     )
     if args.quick:
         config = quick(config)
+    if config.min_turns > config.max_turns:
+        raise ValueError(
+            f"--min-turns {config.min_turns} is more than --max-turns {config.max_turns}"
+        )
     run_rag_bench(config, shlex.join(["chunkcache", *sys.argv[1:]]), log)
     print((config.out / f"{config.name}.md").read_text())
 
@@ -94,11 +159,11 @@ def add_bench_parser(commands: Any) -> None:
     engine = bench.add_parser(
         "engine", help="recompute policies vs full prefill: quality (float32) and TTFT (bf16)"
     )
-    engine.add_argument("--prompts", type=int, default=50)
+    engine.add_argument("--prompts", type=POSITIVE, default=50)
     engine.add_argument("--quick", action="store_true", help="8 prompts, 1 round (smoke test)")
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--rounds", type=int, default=3, help="timed rounds per prompt")
-    engine.add_argument("--answer-tokens", type=int, default=32)
+    engine.add_argument("--rounds", type=POSITIVE, default=3, help="timed rounds per prompt")
+    engine.add_argument("--answer-tokens", type=POSITIVE, default=32)
     # engine_bench.PARTS, spelled out so the parser does not import torch
     parts = ("all", "quality", "quality-reordered", "speed")
     engine.add_argument("--part", choices=parts, default="all")
@@ -110,8 +175,10 @@ def add_bench_parser(commands: Any) -> None:
         "vllm", help="vLLM prefix caching: chunkcache's layout vs plain LangChain, side by side"
     )
     vllm.add_argument("--quick", action="store_true", help="a few requests, eager vLLM")
-    vllm.add_argument("--conversations", type=int, default=24)
-    vllm.add_argument("--gold-questions", type=int, default=48, help="0: no gold workload")
+    vllm.add_argument("--conversations", type=POSITIVE, default=24)
+    vllm.add_argument(
+        "--gold-questions", type=bounded_int(0), default=48, help="0: no gold workload"
+    )
     vllm.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     vllm.set_defaults(run=_vllm)
     _add_summary_parser(bench)
@@ -125,30 +192,35 @@ def _add_rag_parser(bench: Any) -> None:
         "rag", help="every system replays the same RAG workload: TTFT, throughput, quality"
     )
     rag.add_argument("--quick", action="store_true", help="a few requests (smoke test)")
-    rag.add_argument("--conversations", type=int, default=24)
-    rag.add_argument("--min-turns", type=int, default=2)
-    rag.add_argument("--max-turns", type=int, default=5)
+    rag.add_argument("--conversations", type=POSITIVE, default=24)
+    rag.add_argument("--min-turns", type=POSITIVE, default=2)
+    rag.add_argument("--max-turns", type=POSITIVE, default=5)
     rag.add_argument("--single-turn", action="store_true", help="one turn per conversation")
-    rag.add_argument("--gold-questions", type=int, default=48, help="0: no gold workload")
-    rag.add_argument("--k", type=int, default=5, help="chunks per request")
+    rag.add_argument(
+        "--gold-questions", type=bounded_int(0), default=48, help="0: no gold workload"
+    )
+    rag.add_argument("--k", type=POSITIVE, default=5, help="chunks per request")
     rag.add_argument(
         "--chunk-chars",
-        type=int,
+        type=bounded_int(MIN_CHUNK_CHARS),
         default=DEFAULT_CHUNK_CHARS,
         help="chunk size of the bundled corpus or --corpus-dir, in characters",
     )
-    rag.add_argument("--max-tokens", type=int, default=32, help="answer tokens")
-    rag.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    rag.add_argument("--max-tokens", type=POSITIVE, default=32, help="answer tokens")
+    rag.add_argument("--rate", type=positive_float, default=0.5, help="Poisson arrivals per second")
     rag.add_argument("--seed", type=int, default=0)
     rag.add_argument(
-        "--system", action="append", help="run only these (a system or policy name; repeat)"
+        "--system",
+        action="append",
+        type=_system_name,
+        help="run only these (a system or policy name; repeat)",
     )
     rag.add_argument(
-        "--store-mib", type=int, default=512, help="host tier of the KV store, per system"
+        "--store-mib", type=POSITIVE, default=512, help="host tier of the KV store, per system"
     )
-    rag.add_argument("--corpus-dir", type=Path, help="your corpus: a folder of text files")
+    rag.add_argument("--corpus-dir", type=existing_dir, help="your corpus: a folder of text files")
     rag.add_argument("--chroma", nargs=2, metavar=("DIR", "COLLECTION"), help="or Chroma")
-    rag.add_argument("--questions", type=Path, help="your questions (text or JSON lines)")
+    rag.add_argument("--questions", type=existing_file, help="your questions (text or JSON lines)")
     rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     rag.add_argument("--name", default="rag", help="report file stem")
     rag.set_defaults(run=_rag)
@@ -164,7 +236,9 @@ def _add_summary_parser(bench: Any) -> None:
     summary = bench.add_parser(
         "summary", help="write docs/benchmarks/README.md: every report's findings, read from JSON"
     )
-    summary.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    summary.add_argument(
+        "--out", type=existing_dir, default=Path("docs/benchmarks"), help="report folder"
+    )
     summary.set_defaults(run=_summary)
 
 
@@ -173,10 +247,10 @@ def _add_store_parser(bench: Any) -> None:
         "store", help="tiered store: hit rate per eviction policy, TTFT with hits per tier"
     )
     store.add_argument("--quick", action="store_true", help="short trace, 2 prompts, 1 round")
-    store.add_argument("--conversations", type=int, default=200, help="multi-turn trace size")
-    store.add_argument("--k", type=int, default=5, help="chunks retrieved per turn")
-    store.add_argument("--prompts", type=int, default=10, help="TTFT prompts")
-    store.add_argument("--rounds", type=int, default=3, help="timed rounds per prompt")
+    store.add_argument("--conversations", type=POSITIVE, default=200, help="multi-turn trace size")
+    store.add_argument("--k", type=POSITIVE, default=5, help="chunks retrieved per turn")
+    store.add_argument("--prompts", type=POSITIVE, default=10, help="TTFT prompts")
+    store.add_argument("--rounds", type=POSITIVE, default=3, help="timed rounds per prompt")
     store.add_argument("--seed", type=int, default=0)
     store.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
     store.set_defaults(run=_store)

@@ -14,6 +14,8 @@ retriever wrappers give (``metadata["chunk_id"]``, else the content hash of the 
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,8 +45,17 @@ class WarmReport:
 def folder_chunks(folder: str | Path, chunk_chars: int = 1000) -> Iterator[tuple[str, str]]:
     """``(chunk_id, text)`` for the ``.txt``/``.md`` files under ``folder``, in path order;
     paragraphs are packed into chunks of at most ``chunk_chars`` (a longer paragraph stays
-    whole)."""
-    for path in sorted(Path(folder).rglob("*")):
+    whole).  A ``folder`` that is not a directory raises ``FileNotFoundError`` or
+    ``NotADirectoryError`` here, not when the chunks are read."""
+    root = Path(folder)
+    if not root.is_dir():
+        code = errno.ENOTDIR if root.exists() else errno.ENOENT
+        raise OSError(code, os.strerror(code), str(root))  # FileNotFoundError / NotADirectoryError
+    return _folder_chunks(root, chunk_chars)
+
+
+def _folder_chunks(root: Path, chunk_chars: int) -> Iterator[tuple[str, str]]:
+    for path in sorted(root.rglob("*")):
         if path.suffix not in (".txt", ".md") or not path.is_file():
             continue
         chunk = ""
@@ -62,20 +73,31 @@ def folder_chunks(folder: str | Path, chunk_chars: int = 1000) -> Iterator[tuple
 
 def chroma_chunks(path: str | Path, collection: str) -> Iterator[tuple[str, str]]:
     """``(chunk_id, text)`` of every document in a persistent Chroma collection, with the id
-    the retriever wrappers give it (``metadata["chunk_id"]``, else the content hash)."""
+    the retriever wrappers give it (``metadata["chunk_id"]``, else the content hash).
+
+    A ``path`` without a Chroma database raises ``FileNotFoundError`` (and is left as it is:
+    Chroma would make an empty database there); a missing collection raises ``ValueError``.
+    """
+    if not (Path(path) / "chroma.sqlite3").is_file():
+        raise FileNotFoundError(errno.ENOENT, "no Chroma database (chroma.sqlite3)", str(path))
     import chromadb
+    from chromadb.errors import NotFoundError
 
     from chunkcache.core.chunk_ids import chunk_id_for
 
-    stored = chromadb.PersistentClient(path=str(path)).get_collection(collection)
+    client = chromadb.PersistentClient(path=str(path))
+    try:
+        stored = client.get_collection(collection)
+    except NotFoundError:
+        names = ", ".join(sorted(c.name for c in client.list_collections())) or "none"
+        raise ValueError(f"no collection {collection!r} in {path} (it has: {names})") from None
     got = stored.get(include=["documents", "metadatas"])
     documents = got["documents"] or []
     metadatas: list[Mapping[str, Any] | None] = [None] * len(documents)
     if got["metadatas"]:
         metadatas = list(got["metadatas"])
-    for text, metadata in zip(documents, metadatas, strict=True):
-        if text:
-            yield chunk_id_for(text, metadata), text
+    pairs = zip(documents, metadatas, strict=True)
+    return iter([(chunk_id_for(text, metadata), text) for text, metadata in pairs if text])
 
 
 def corpus_chunks(max_chunks: int | None = None) -> Iterator[tuple[str, str]]:
