@@ -3,8 +3,15 @@
 Everything lives under ``home_subdir("indexes")/stdlib-<corpus digest>/``: the
 MiniLM embeddings (``embeddings.npy`` + ``ids.json``, computed once and shared),
 a FAISS ``IndexFlatIP`` (``faiss.index``) and a persistent Chroma collection in
-cosine space (``chroma/``).  A changed corpus has a new digest, hence a new
-directory; a missing or partial file is rebuilt.
+cosine space (in the directory that ``chroma.current`` names, ``chroma/`` if there
+is no such file).  A changed corpus has a new digest, hence a new directory.
+
+Every file is checked when it is opened: the embeddings must be the chunks'
+unit vectors, and each index must hold exactly those vectors (Chroma must also
+find them by query).  A missing file is built; a damaged one is logged as a
+warning and rebuilt.  Chroma is rebuilt in a fresh directory that
+``chroma.current`` is switched to once it passes the same check, so a build cut
+short is never used.
 
 >>> retriever = langchain_corpus_retriever("faiss", k=3)
 >>> [doc.metadata["topic"] for doc in retriever.invoke("serialize an object to JSON")][0]
@@ -17,12 +24,16 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
+import re
+import shutil
+import sqlite3
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
@@ -33,7 +44,7 @@ from chunkcache.integrations.embeddings import EMBEDDING_DIM, embed_texts
 if TYPE_CHECKING:
     import faiss
     from chromadb import Collection
-    from chromadb.api import ClientAPI
+    from chromadb.api.client import Client
     from langchain_core.retrievers import BaseRetriever
     from llama_index.core.retrievers import BaseRetriever as LlamaIndexRetriever
 
@@ -47,8 +58,12 @@ __all__ = [
     "search_corpus",
 ]
 
+logger = logging.getLogger(__name__)
+
 Store = Literal["chroma", "faiss"]
 COLLECTION_NAME = "chunkcache-stdlib"
+# Stored vectors equal the embeddings up to float32 rounding (Chroma renormalizes them).
+_VECTOR_ATOL = 1e-4
 # One lock for all builds: two threads never embed or write the same files at once.
 _build_lock = threading.RLock()
 
@@ -123,7 +138,7 @@ class _CorpusIndexes:
         self.directory = root / f"stdlib-{corpus_digest(chunks)}"
         self._embeddings: np.ndarray | None = None
         self._faiss: faiss.Index | None = None
-        self._chroma: tuple[ClientAPI, Collection] | None = None
+        self._chroma: tuple[Client, Collection] | None = None
 
     @functools.cached_property
     def chunks_by_id(self) -> dict[str, CorpusChunk]:
@@ -145,35 +160,26 @@ class _CorpusIndexes:
         path = self.directory / "faiss.index"
         with _build_lock:
             if self._faiss is None:
-                try:
-                    self._faiss = faiss.read_index(str(path))
-                except RuntimeError:  # missing or unreadable
-                    self._faiss = None
-            if self._faiss is None or self._faiss.ntotal != len(self.chunks):
-                self._faiss = faiss.IndexFlatIP(EMBEDDING_DIM)
-                self._faiss.add(self.embeddings())
+                self._faiss = self._open_faiss(path)
+            if self._faiss is None:
+                index = faiss.IndexFlatIP(EMBEDDING_DIM)
+                index.add(self.embeddings())
                 with _replacing(path) as tmp:
-                    faiss.write_index(self._faiss, str(tmp))
+                    faiss.write_index(index, str(tmp))
+                self._faiss = index
             return self._faiss
 
-    def chroma(self) -> tuple[ClientAPI, Collection]:
+    def chroma(self) -> tuple[Client, Collection]:
         """The persistent client and the filled collection."""
-        import chromadb
-        from chromadb.config import Settings
-
         with _build_lock:
             if self._chroma is None:
-                client = chromadb.PersistentClient(
-                    path=self.directory / "chroma", settings=Settings(anonymized_telemetry=False)
-                )
-                collection = client.get_or_create_collection(
-                    COLLECTION_NAME,
-                    embedding_function=None,
-                    configuration={"hnsw": {"space": "cosine"}},
-                )
-                if collection.count() != len(self.chunks):
-                    self._fill(collection, client.get_max_batch_size())
-                self._chroma = (client, collection)
+                vectors = self.embeddings()
+                current = self._current_chroma_path()
+                self._chroma = None if current is None else self._open_chroma(current, vectors)
+                if self._chroma is None:
+                    if current is not None:  # damaged: never opened again
+                        shutil.rmtree(current, ignore_errors=True)
+                    self._chroma = self._build_chroma(vectors)
             return self._chroma
 
     def search(self, query: str, store: Store, k: int) -> list[tuple[CorpusChunk, float]]:
@@ -192,35 +198,136 @@ class _CorpusIndexes:
             for cid, distance in zip(result["ids"][0], distances, strict=True)
         ]
 
-    def _fill(self, collection: Collection, batch_size: int) -> None:
-        """Upsert every chunk (idempotent, so a build cut short is simply redone)."""
+    def _open_faiss(self, path: Path) -> faiss.Index | None:
+        """The saved index if it holds exactly the embeddings; ``None`` if missing or damaged."""
+        import faiss
+
+        if not path.exists():
+            return None
         vectors = self.embeddings()
+        try:
+            index = faiss.read_index(str(path))
+            if not isinstance(index, faiss.IndexFlatIP):
+                raise ValueError(f"a {type(index).__name__}, not an IndexFlatIP")
+            _check_vectors(index.reconstruct_n(0, index.ntotal), vectors)
+        except (RuntimeError, ValueError) as error:  # faiss reports a bad file as RuntimeError
+            logger.warning("rebuilding damaged %s: %s", path, error)
+            return None
+        return index
+
+    def _current_chroma_path(self) -> Path | None:
+        """The Chroma directory ``chroma.current`` names, ``None`` if there is none.
+
+        Without that file it is ``chroma/``, where earlier versions built the collection.
+        """
+        pointer = self.directory / "chroma.current"
+        try:
+            name = pointer.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            legacy = self.directory / "chroma"
+            return legacy if legacy.is_dir() else None
+        except (OSError, ValueError) as error:
+            logger.warning("rebuilding the Chroma index: unreadable %s: %s", pointer, error)
+            return None
+        path = self.directory / name
+        if re.fullmatch(r"chroma-\w+", name) and path.is_dir():
+            return path
+        logger.warning("rebuilding the Chroma index: %s names no directory: %r", pointer, name)
+        return None
+
+    def _open_chroma(self, path: Path, vectors: np.ndarray) -> tuple[Client, Collection] | None:
+        """The client and collection at ``path`` if they pass the check; ``None`` if damaged."""
+        from chromadb.errors import ChromaError
+
+        client = None
+        try:
+            client = _chroma_client(path)
+            collection = client.get_collection(COLLECTION_NAME, embedding_function=None)
+            self._check_collection(collection, vectors)
+        except (ChromaError, sqlite3.DatabaseError, OSError, ValueError, EOFError) as error:
+            logger.warning("rebuilding damaged Chroma index %s: %s", path, error)
+            if client is not None:
+                client.close()
+            return None
+        return client, collection
+
+    def _build_chroma(self, vectors: np.ndarray) -> tuple[Client, Collection]:
+        """Fill and check a collection in a fresh directory, then point ``chroma.current`` at it."""
+        path = Path(tempfile.mkdtemp(prefix="chroma-", dir=self.directory))
+        client = None
+        try:
+            client = _chroma_client(path)
+            collection = client.create_collection(
+                COLLECTION_NAME,
+                embedding_function=None,
+                configuration={"hnsw": {"space": "cosine"}},
+            )
+            self._fill(collection, vectors, client.get_max_batch_size())
+            self._check_collection(collection, vectors)
+            with _replacing(self.directory / "chroma.current") as tmp:
+                tmp.write_text(path.name, encoding="ascii")
+        except BaseException:
+            if client is not None:
+                client.close()
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return client, collection
+
+    def _fill(self, collection: Collection, vectors: np.ndarray, batch_size: int) -> None:
+        """Add every chunk with its row of ``vectors``, ``batch_size`` at a time."""
         for start in range(0, len(self.chunks), batch_size):
             batch = self.chunks[start : start + batch_size]
-            collection.upsert(
+            collection.add(
                 ids=[chunk.chunk_id for chunk in batch],
                 embeddings=vectors[start : start + batch_size],
                 documents=[chunk.text for chunk in batch],
                 metadatas=[_metadata(chunk) for chunk in batch],
             )
 
+    def _check_collection(self, collection: Collection, vectors: np.ndarray) -> None:
+        """Raise ``ValueError`` unless ``collection`` holds exactly ``vectors`` and finds them."""
+        rows = {chunk.chunk_id: row for row, chunk in enumerate(self.chunks)}
+        stored = collection.get(include=["embeddings"])
+        if sorted(stored["ids"]) != sorted(rows):
+            raise ValueError(f"it holds {len(stored['ids'])} ids, not the {len(rows)} chunks'")
+        expected = vectors[[rows[cid] for cid in stored["ids"]]]
+        _check_vectors(np.asarray(stored["embeddings"]), expected)
+        # The first and last vectors must each come back as their own nearest neighbour.
+        found = collection.query(
+            query_embeddings=expected[[0, -1]], n_results=1, include=["distances"]
+        )["distances"]
+        if found is None or not np.allclose(found, 0.0, atol=_VECTOR_ATOL):
+            raise ValueError(f"a query for a stored vector finds distances {found}")
+
     def _load_embeddings(self) -> np.ndarray | None:
+        """The saved embeddings if they match the chunks; ``None`` if missing or damaged."""
+        path = self.directory / "ids.json"
         try:
-            ids = json.loads((self.directory / "ids.json").read_text(encoding="utf-8"))
-            vectors = np.load(self.directory / "embeddings.npy", allow_pickle=False)
-        except (OSError, ValueError):
+            if json.loads(path.read_text(encoding="utf-8")) != self._chunk_ids():
+                raise ValueError("it does not list the chunk ids")
+            path = self.directory / "embeddings.npy"
+            vectors = np.load(path, allow_pickle=False)
+            if vectors.dtype != np.float32 or vectors.shape != (len(self.chunks), EMBEDDING_DIM):
+                raise ValueError(
+                    f"{vectors.dtype} {vectors.shape}, not [N, {EMBEDDING_DIM}] float32"
+                )
+            if not np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=_VECTOR_ATOL):
+                raise ValueError("its rows are not unit vectors")
+        except FileNotFoundError:
             return None
-        expected = [chunk.chunk_id for chunk in self.chunks]
-        if ids != expected or vectors.shape != (len(expected), EMBEDDING_DIM):
+        except (OSError, ValueError, EOFError) as error:  # np.load raises EOFError on an empty file
+            logger.warning("rebuilding damaged %s: %s", path, error)
             return None
-        return np.asarray(vectors, dtype=np.float32)
+        return vectors
 
     def _save_embeddings(self, vectors: np.ndarray) -> None:
         with _replacing(self.directory / "embeddings.npy") as tmp, tmp.open("wb") as file:
             np.save(file, vectors, allow_pickle=False)
-        ids = [chunk.chunk_id for chunk in self.chunks]
         with _replacing(self.directory / "ids.json") as tmp:
-            tmp.write_text(json.dumps(ids), encoding="utf-8")
+            tmp.write_text(json.dumps(self._chunk_ids()), encoding="utf-8")
+
+    def _chunk_ids(self) -> list[str]:
+        return [chunk.chunk_id for chunk in self.chunks]
 
 
 def _corpus_indexes() -> _CorpusIndexes:
@@ -235,6 +342,22 @@ def _indexes_under(root: Path) -> _CorpusIndexes:
 @functools.cache
 def _indexes_of(chunks: tuple[CorpusChunk, ...]) -> _CorpusIndexes:
     return _CorpusIndexes(list(chunks), home_subdir("indexes"))
+
+
+def _chroma_client(path: Path) -> Client:
+    import chromadb
+    from chromadb.config import Settings
+
+    client = chromadb.PersistentClient(path=path, settings=Settings(anonymized_telemetry=False))
+    return cast("Client", client)  # typed as the ClientAPI interface, which has no close()
+
+
+def _check_vectors(found: np.ndarray, expected: np.ndarray) -> None:
+    """Raise ``ValueError`` unless an index's vectors are ``expected``, row for row."""
+    if found.shape != expected.shape:
+        raise ValueError(f"it holds {found.shape} vectors, not {expected.shape}")
+    if not np.allclose(found, expected, atol=_VECTOR_ATOL):
+        raise ValueError("its vectors differ from the embeddings")
 
 
 def _checked(store: Store) -> Store:

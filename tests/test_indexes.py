@@ -4,9 +4,12 @@ The indexes are built once under the user cache (about a minute on 2 cores the
 first time) and reused by every later run.
 """
 
+import logging
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,12 +49,28 @@ from chunkcache.integrations.indexes import (
 )
 
 JSON_QUERY = "serialize an object to JSON"
-STORES = ["chroma", "faiss"]
+STORES: list[Store] = ["chroma", "faiss"]
 
 
 @pytest.fixture(scope="module")
 def corpus_by_text():
     return {chunk.text: chunk for chunk in load_corpus()}
+
+
+@pytest.fixture
+def embed_calls(monkeypatch) -> list[int]:
+    """Replace the model by random unit vectors (the same for the same number of texts);
+    the list records how many texts each call embedded."""
+    calls: list[int] = []
+
+    def fake_embed(texts: Sequence[str]) -> np.ndarray:
+        calls.append(len(texts))
+        rng = np.random.default_rng(len(texts))
+        vectors = rng.standard_normal((len(texts), EMBEDDING_DIM)).astype(np.float32)
+        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+    monkeypatch.setattr(indexes, "embed_texts", fake_embed)
+    return calls
 
 
 def test_embed_texts_gives_unit_float32_rows():
@@ -212,33 +231,128 @@ class TestFaissCorpusRetriever(TestChromaCorpusRetriever):
         return {"store": "faiss"}
 
 
-def test_index_files_are_reused_and_a_corrupt_one_rebuilt(tmp_path, monkeypatch):
+def test_index_files_are_reused_and_a_corrupt_one_rebuilt(tmp_path, embed_calls):
     chunks = load_corpus(max_chunks=12)
-    calls = []
-
-    def fake_embed(texts):
-        calls.append(len(texts))
-        rng = np.random.default_rng(len(texts))
-        vectors = rng.standard_normal((len(texts), EMBEDDING_DIM)).astype(np.float32)
-        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
-
-    monkeypatch.setattr(indexes, "embed_texts", fake_embed)
     first = indexes._CorpusIndexes(chunks, tmp_path)
     first.faiss_index()
     assert first.chroma()[1].count() == len(chunks)
-    assert calls == [len(chunks)]
+    assert embed_calls == [len(chunks)]
 
     (first.directory / "faiss.index").write_bytes(b"truncated")
     again = indexes._CorpusIndexes(chunks, tmp_path)
     assert again.faiss_index().ntotal == len(chunks)
     assert again.chroma()[1].count() == len(chunks)
     np.testing.assert_array_equal(again.embeddings(), first.embeddings())
-    assert calls == [len(chunks)]  # embeddings were read back, not recomputed
+    assert embed_calls == [len(chunks)]  # embeddings were read back, not recomputed
 
     changed = indexes._CorpusIndexes(chunks[:-1], tmp_path)
     assert changed.directory != first.directory
     assert changed.faiss_index().ntotal == len(chunks) - 1
-    assert calls == [len(chunks), len(chunks) - 1]
+    assert embed_calls == [len(chunks), len(chunks) - 1]
+
+
+def _hits(corpus_indexes: indexes._CorpusIndexes) -> dict[str, list[tuple[str, float]]]:
+    """Per store, the ids and scores of the top hits for the JSON query."""
+    return {
+        store: [
+            (chunk.chunk_id, score) for chunk, score in corpus_indexes.search(JSON_QUERY, store, 5)
+        ]
+        for store in STORES
+    }
+
+
+def _approx(hits: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[str, Any]]]:
+    return {
+        store: [(cid, pytest.approx(score, abs=1e-5)) for cid, score in h]
+        for store, h in hits.items()
+    }
+
+
+def _closed_chroma_dir(corpus_indexes: indexes._CorpusIndexes) -> Path:
+    """The Chroma directory, its client closed as if the process had ended."""
+    client = corpus_indexes.chroma()[0]
+    client.close()
+    return Path(client.get_settings().persist_directory)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.usefixtures("embed_calls")
+@pytest.mark.parametrize(
+    ("names", "damage"),
+    [
+        pytest.param(["chroma.sqlite3"], _truncate, id="chroma-sqlite"),
+        pytest.param(["data_level0.bin"], _truncate, id="chroma-hnsw"),
+        pytest.param(["embeddings.npy"], _empty, id="embeddings"),
+        pytest.param(["embeddings.npy", "faiss.index"], _empty, id="embeddings-and-faiss"),
+    ],
+)
+def test_a_damaged_index_file_is_rebuilt(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    names: list[str],
+    damage: Callable[[Path], None],
+) -> None:
+    chunks = load_corpus()  # enough chunks for Chroma to write its HNSW files
+    built = indexes._CorpusIndexes(chunks, tmp_path)
+    expected = _approx(_hits(built))
+    chroma_dir = _closed_chroma_dir(built)
+    for name in names:
+        damage(next(built.directory.rglob(name)))
+
+    rebuilt = indexes._CorpusIndexes(chunks, tmp_path)
+    with caplog.at_level(logging.WARNING, logger=indexes.__name__):
+        assert _hits(rebuilt) == expected
+    if names[0] in ("chroma.sqlite3", "data_level0.bin"):  # Chroma's files: its directory is named
+        named = [f"rebuilding damaged Chroma index {chroma_dir}:"]
+        assert not chroma_dir.exists()  # and replaced
+    else:
+        named = [f"rebuilding damaged {built.directory / name}:" for name in names]
+    warnings = [record.getMessage() for record in caplog.records]
+    for text in named:
+        assert any(text in warning for warning in warnings), warnings
+
+    caplog.clear()
+    _closed_chroma_dir(rebuilt)
+    reopened = indexes._CorpusIndexes(chunks, tmp_path)
+    with caplog.at_level(logging.WARNING, logger=indexes.__name__):
+        assert _hits(reopened) == expected
+    assert not caplog.records  # the rebuilt files pass the check
+
+
+@pytest.mark.usefixtures("embed_calls")
+def test_a_chroma_rebuild_cut_short_is_never_used(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chunks = load_corpus(max_chunks=12)
+    built = indexes._CorpusIndexes(chunks, tmp_path)
+    expected = _approx(_hits(built))
+    chroma_dir = _closed_chroma_dir(built)
+    _truncate(chroma_dir / "chroma.sqlite3")
+
+    fill = indexes._CorpusIndexes._fill
+
+    def fill_then_die(self: indexes._CorpusIndexes, *args: Any) -> None:
+        fill(self, *args)
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(indexes._CorpusIndexes, "_fill", fill_then_die)
+    with pytest.raises(RuntimeError, match="mid-build"):
+        indexes._CorpusIndexes(chunks, tmp_path).chroma()
+    assert not [path for path in built.directory.iterdir() if path.is_dir()]
+
+    monkeypatch.setattr(indexes._CorpusIndexes, "_fill", fill)
+    with caplog.at_level(logging.WARNING, logger=indexes.__name__):
+        assert _hits(indexes._CorpusIndexes(chunks, tmp_path)) == expected
+    assert any(chroma_dir.name in record.getMessage() for record in caplog.records)
 
 
 def test_unknown_store_is_refused():
