@@ -192,7 +192,7 @@ class Scheduler:
             self._counts["decode_steps_total"] += 1
             self._counts["decode_rows_total"] += len(batch)
         for row, job in enumerate(batch):
-            job.state.ids.append(job.pending)
+            job.state.append(job.pending)
             job.num_steps, job.batch_rows = job.num_steps + 1, job.batch_rows + len(batch)
             try:
                 self._sample(job, logits[row])

@@ -84,6 +84,15 @@ class TokenSegment:
     is_chunk: bool
 
 
+@dataclass(frozen=True)
+class MatchedPrefix:
+    """The exact prefix :meth:`ChunkEngine._take_prefix` copied into a request's KV."""
+
+    length: int  # tokens
+    exact_until: int  # the first slot whose KV is only approximate (or the prompt length)
+    in_store: int  # tokens whose segments the store holds (the rest came from a conversation)
+
+
 @dataclass
 class Prefilled:
     """A prefilled prompt: its KV, the next-token logits, and where its tokens came from."""
@@ -93,6 +102,13 @@ class Prefilled:
     logits: Tensor  # [V] float32
     stats: GenerationStats
     exact_until: int  # slots before this hold exactly what a full prefill would compute
+
+    def append(self, token: int) -> None:
+        """Record ``token``, whose KV a decode step just wrote after the last slot: exact
+        when every slot before it is."""
+        if self.exact_until == len(self.ids):
+            self.exact_until += 1
+        self.ids.append(token)
 
 
 class ChunkEngine:
@@ -173,10 +189,11 @@ class ChunkEngine:
         ids = [token for segment in segments for token in segment.ids]
         if not ids:
             raise ValueError("the prompt has no tokens")
-        if len(ids) + reserve > self.lm.spec.max_positions:
+        window = self.lm.spec.context_window
+        if len(ids) + reserve > window:
             raise PromptTooLongError(
                 f"{len(ids)} prompt tokens + {reserve} to generate exceed the model's "
-                f"context window of {self.lm.spec.max_positions}"
+                f"context window of {window}"
             )
         starts, contexts = _layout(segments)
         spans = [
@@ -185,12 +202,12 @@ class ChunkEngine:
         stats = GenerationStats(policy=policy, prompt_tokens=len(ids))
         kv = self.lm.new_kv(len(ids) + reserve)
         kv.extend(len(ids))
-        exact, exact_until = 0, len(ids)
+        prefix = MatchedPrefix(0, len(ids), 0)
         if policy != "full":
-            exact, exact_until = self._take_prefix(segments, ids, conversation_id, kv)
-        matched = exact  # a chunk inside the matched prefix is a hit, its last token too
-        exact = min(exact, len(ids) - 1)  # the last token always runs, for its logits
-        placed = self._place(segments, spans, exact, policy) if _reuses(policy) else []
+            prefix = self._take_prefix(segments, ids, conversation_id, kv)
+        exact_until = prefix.exact_until
+        exact = min(prefix.length, len(ids) - 1)  # the last token always runs, for its logits
+        placed = self._place(segments, spans, contexts, exact, policy) if _reuses(policy) else []
         reused = [slot for p in placed for slot in p.slots]
         slots = torch.arange(len(ids), device=self.lm.device)
         reused_slots = torch.tensor(reused, dtype=torch.long, device=self.lm.device)
@@ -232,8 +249,9 @@ class ChunkEngine:
         stats.reused_tokens = exact + len(reused) - result.num_recomputed
         stats.recomputed_tokens = result.num_recomputed
         stats.computed_tokens = computed.numel()
+        placed_starts = {p.span.start for p in placed}
         stats.chunk_hits, stats.chunk_misses, stored = self._store(
-            segments, starts, contexts, matched, set(reused), exact_until, kv, metas
+            segments, starts, contexts, prefix, placed_starts, exact_until, kv, metas
         )
         layers = self.lm.spec.num_layers
         stats.extra["token_layer_share"] = result.token_layers / (len(ids) * layers)
@@ -249,11 +267,11 @@ class ChunkEngine:
         for step in range(params.max_tokens):
             token = sample_token(logits, params, generator)
             yield token
-            if step + 1 == params.max_tokens:
-                return
+            if step + 1 == params.max_tokens or len(prefilled.ids) >= self.lm.spec.context_window:
+                return  # the budget is spent, or the context window is full
             # One row: the batched step's matmul attention beats SDPA's CPU kernel ~2x here.
             logits = decode_step(self.lm, [token], [prefilled.kv])[0]
-            prefilled.ids.append(token)
+            prefilled.append(token)
 
     def remember(self, conversation_id: str, prefilled: Prefilled) -> None:
         """Keep a conversation's last sequence so its next turn reuses it as a prefix."""
@@ -269,12 +287,9 @@ class ChunkEngine:
         ids: list[int],
         conversation_id: str | None,
         kv: SeqKV,
-    ) -> tuple[int, int]:
-        """Copy the longest exact prefix into ``kv``.
-
-        Returns its length in tokens and the first slot whose KV is only
-        approximate (a conversation's past may hold blended KV), or ``len(ids)``.
-        """
+    ) -> MatchedPrefix:
+        """Copy the longest exact prefix, from the store or the conversation's past, into
+        ``kv`` (a conversation's past may hold blended KV: its ``exact_until`` carries over)."""
         fingerprint = self.lm.fingerprint
         hits: list[KVVariant] = []
         context = ROOT_CONTEXT
@@ -291,21 +306,25 @@ class ChunkEngine:
         if past is not None and from_past > from_store:
             kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]
             kv.v[:, :, :from_past] = past.kv.v[:, :, :from_past]
-            return from_past, min(past.exact_until, len(ids))
+            # Past its matched tokens the request computes its own: exact unless the past was not.
+            exact_until = past.exact_until if past.exact_until < from_past else len(ids)
+            return MatchedPrefix(from_past, exact_until, from_store)
         for variant in hits:
             kv.k[:, :, variant.start : variant.start + variant.num_tokens] = variant.k
             kv.v[:, :, variant.start : variant.start + variant.num_tokens] = variant.v
-        return from_store, len(ids)
+        return MatchedPrefix(from_store, len(ids), from_store)
 
     def _place(
         self,
         segments: Sequence[TokenSegment],
         spans: list[Span],
+        contexts: list[str],
         exact: int,
         policy: Policy,
     ) -> list[PlacedChunk]:
         """Choose a stored variant for each chunk after the exact prefix (placed by
-        :func:`~chunkcache.core.chunk_placing.placing`)."""
+        :func:`~chunkcache.core.chunk_placing.placing`): the one computed in exactly this
+        request's context when there is one, else the policy's choice."""
         placed: list[PlacedChunk] = []
         last_slot = spans[-1].end - 1
         for i, (segment, span) in enumerate(zip(segments, spans, strict=True)):
@@ -315,8 +334,9 @@ class ChunkEngine:
             variants = [v for v in variants if v.num_tokens == span.num_tokens]
             if not variants:
                 continue
-            variant, cfo = variants[0], 0.0  # the most recently used
-            if policy == "cachecraft":
+            same = [v for v in variants if v.context == contexts[i]]
+            variant, cfo = (same or variants)[0], 0.0  # else the most recently used
+            if policy == "cachecraft" and not same:
                 variant, cfo = choose_variant(variants, spans[:i], self.craft)
             reused = [slot for slot in range(span.start, span.end) if slot != last_slot]
             placed.append(PlacedChunk(span, variant, cfo, reused))
@@ -327,25 +347,30 @@ class ChunkEngine:
         segments: Sequence[TokenSegment],
         starts: list[int],
         contexts: list[str],
-        exact: int,
-        reused: set[int],
+        prefix: MatchedPrefix,
+        placed_starts: set[int],
         exact_until: int,
         kv: SeqKV,
         metas: dict[int, CraftMeta],
     ) -> tuple[int, int, list[tuple[str, str]]]:
-        """Store segments computed fresh as variants (those not in the ``exact`` tokens of
-        the prefix matched, nor ``reused``): chunk hits, misses, and the (segment id,
+        """Store as variants the segments the store lacks: those computed fresh (chunks, and
+        text whose KV is exact), and exact ones a conversation's past brought (its decoded
+        answer: stored, a later request finds the whole history in the store even once the
+        conversation is forgotten).  Returns chunk hits, misses, and the (segment id,
         context) of each variant stored."""
         hits = misses = 0
         fresh: list[tuple[str, str]] = []
         for segment, start, context in zip(segments, starts, contexts, strict=True):
             end = start + len(segment.ids)
-            cached = end <= exact or start in reused
+            placed = start in placed_starts
             if segment.is_chunk:
+                cached = placed or end <= prefix.length
                 hits, misses = hits + cached, misses + (not cached)
             is_exact = end <= exact_until
-            if cached or not (segment.is_chunk or is_exact) or start < exact:
-                continue
+            if placed or end <= prefix.in_store or not (segment.is_chunk or is_exact):
+                continue  # in the store already, or approximate text
+            if start < prefix.length and not is_exact:
+                continue  # an approximate part of the past: stored in its own turn
             variant = KVVariant(
                 segment.segment_id,
                 context,

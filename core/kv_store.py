@@ -122,6 +122,7 @@ class MemoryKVStore:
         self.num_bytes = 0
         self.num_evictions = 0
         self._entries: OrderedDict[tuple[str, str, str], KVVariant] = OrderedDict()
+        # Each segment's contexts, least recently used first (as in _entries).
         self._by_segment: dict[tuple[str, str], dict[str, None]] = {}
         self._lock = threading.Lock()
         # Called as listener(fingerprint, segment_id, context) after a variant is evicted.
@@ -154,21 +155,26 @@ class MemoryKVStore:
             variant = self._entries.get(key)
             if variant is None or not variant.exact:
                 return None
-            self._entries.move_to_end(key)
+            self._touch(key)
             return variant
 
     def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
         with self._lock:
             contexts = self._by_segment.get((fingerprint, segment_id), {})
             keys = [(fingerprint, segment_id, context) for context in contexts]
-            for key in keys:
-                self._entries.move_to_end(key)
-            return [self._entries[key] for key in reversed(keys)]
+            for key in keys:  # all touched, their order kept
+                self._touch(key)
+            return [self._entries[key] for key in reversed(keys)]  # most recently used first
 
     def contains_segment(self, fingerprint: str, segment_id: str) -> bool:
         """Whether any variant of ``segment_id`` is held (without touching recency)."""
         with self._lock:
             return (fingerprint, segment_id) in self._by_segment
+
+    def _touch(self, key: tuple[str, str, str]) -> None:
+        self._entries.move_to_end(key)
+        contexts = self._by_segment[key[:2]]
+        contexts[key[2]] = contexts.pop(key[2])  # to the end: the most recent
 
     def _drop(self, key: tuple[str, str, str]) -> None:
         variant = self._entries.pop(key, None)

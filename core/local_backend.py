@@ -49,7 +49,7 @@ class LocalBackend:
 
     @property
     def context_window(self) -> int:
-        return self.engine.lm.spec.max_positions
+        return self.engine.lm.spec.context_window
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The model's chat template applied to ``messages``, ready for the assistant."""

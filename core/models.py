@@ -52,6 +52,15 @@ class ModelSpec:
     rope_parameters: Mapping[str, Any]  # transformers' standardised form, incl. rope_type
     sliding_window: int | None  # None: every layer attends to the whole sequence
 
+    @property
+    def context_window(self) -> int:
+        """The most tokens a sequence may hold here: ``max_positions``, or the sliding window
+        when the model has one (this engine's attention is full, so past the window it would
+        no longer compute what the model does)."""
+        if self.sliding_window is None:
+            return self.max_positions
+        return min(self.max_positions, self.sliding_window)
+
     @classmethod
     def from_config(cls, config: Any, architecture: str) -> ModelSpec:
         if config.model_type not in SUPPORTED_MODEL_TYPES:

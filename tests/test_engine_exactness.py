@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_lm
+from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_hf_model, tiny_lm, tiny_tokenizer
 
-from chunkcache.core.engine import ChunkEngine, PromptTooLongError, TokenSegment
+from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
 from chunkcache.core.generation import SamplingParams
 from chunkcache.core.models import LoadedModel
 
@@ -135,3 +135,76 @@ def test_greedy_decoding_matches_hugging_face_generate(lm: LoadedModel) -> None:
     ids = torch.tensor([[t for s in segments for t in s.ids]])
     theirs = lm.hf.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert ours == theirs[0, ids.shape[1] :].tolist()
+
+
+def answer(engine: ChunkEngine, prefilled: Prefilled, tokens: int = 4) -> TokenSegment:
+    """``tokens`` greedy tokens after ``prefilled``, as the text of the next turn's prompt
+    (the last one was sampled but never fed)."""
+    ids = list(engine.decode(prefilled, SamplingParams(max_tokens=tokens)))
+    return text(tuple(ids[:-1]))
+
+
+def test_a_conversation_stays_exact_from_turn_to_turn(lm: LoadedModel) -> None:
+    """Decoded tokens extend the exact KV, so the next turn's new segments are stored
+    as exact variants (the store can then serve them as a prefix)."""
+    engine = ChunkEngine(lm)
+    first = engine.prefill([SYSTEM, A, QUESTION], "prefix", conversation_id="c", reserve=4)
+    turn = [SYSTEM, A, QUESTION, answer(engine, first), B, text(random_ids(6, 12))]
+    engine.remember("c", first)
+    second = engine.prefill(turn, "prefix", conversation_id="c")
+    assert second.exact_until == len(second.ids)
+    assert engine.store.exact(lm.fingerprint, B.segment_id, contexts_of(turn)[4]) is not None
+    assert_exact(second.logits, full_logits(lm, turn))
+
+
+@pytest.mark.parametrize("policy", ["prefix", "reuse", "cacheblend"])
+def test_a_forgotten_conversation_is_found_whole_in_the_store(lm: LoadedModel, policy: str) -> None:
+    engine = ChunkEngine(lm, max_conversations=1)
+    first = engine.prefill([SYSTEM, A, QUESTION], "prefix", conversation_id="c", reserve=4)
+    turn = [SYSTEM, A, QUESTION, answer(engine, first), B, text(random_ids(6, 12))]
+    engine.remember("c", first)
+    engine.prefill(turn, "prefix", conversation_id="c")
+    engine.remember("other", first)  # "c" is forgotten
+    out = engine.prefill([*turn, text(random_ids(5, 13))], policy, conversation_id="c")
+    assert out.stats.extra["prefix_tokens"] == sum(len(s.ids) for s in turn)
+    assert_exact(out.logits, full_logits(lm, [*turn, text(random_ids(5, 13))]))
+
+
+def test_a_chunk_is_placed_from_the_variant_of_its_own_context(lm: LoadedModel) -> None:
+    """Not the most recent variant: the one computed after exactly this prompt's tokens."""
+    engine = ChunkEngine(lm)
+    engine.prefill([C, QUESTION], "full")  # C cached elsewhere: placed, so approximate
+    request = [SYSTEM, C, text(random_ids(4, 14)), B, QUESTION]
+    first = engine.prefill(request, "reuse")  # B computed after approximate KV: stored
+    engine.prefill([text(random_ids(3, 15)), B, QUESTION], "full")  # a newer variant of B
+    again = engine.prefill(request, "reuse")
+    assert again.stats.chunk_hits == 2
+    assert_exact(again.logits, first.logits)
+
+
+def test_a_prompt_past_the_sliding_window_is_refused_by_every_policy() -> None:
+    """The engine's attention is full: past a sliding window it would not compute what
+    the model does, whichever layers a policy runs."""
+    lm = LoadedModel.from_hf(tiny_hf_model("mistral", sliding_window=16), tiny_tokenizer())
+    assert lm.spec.context_window == 16
+    short = chunk("short", random_ids(10, 2))
+    for policy in ("full", "prefix", "reuse", "cacheblend", "cachecraft"):
+        engine = ChunkEngine(lm)
+        engine.prefill([short, text((5,))], "full")  # cached: the policies place it
+        with pytest.raises(PromptTooLongError, match="context window of 16"):
+            engine.prefill([SYSTEM, short], policy)  # type: ignore[arg-type]
+
+
+def contexts_of(segments: list[TokenSegment]) -> list[str]:
+    from chunkcache.core.engine import _layout
+
+    return _layout(segments)[1]
+
+
+def test_decoding_stops_at_the_context_window(lm: LoadedModel) -> None:
+    window = lm.spec.context_window
+    prompt = text(random_ids(window - 3, 21))
+    engine = ChunkEngine(lm)
+    prefilled = engine.prefill([prompt], "full")  # no room reserved
+    tokens = list(engine.decode(prefilled, SamplingParams(max_tokens=10)))
+    assert len(tokens) == 4 and prefilled.kv.length == window  # 3 fed, the 4th sampled

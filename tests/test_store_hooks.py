@@ -40,3 +40,14 @@ def test_hooks_on_a_tiered_store(tmp_path: Path) -> None:
     future = prefetch(store, FP, ["a"])
     assert future is not None and future.result(timeout=30) == 0  # already on top
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "tiered"])
+def test_variants_come_most_recently_used_first(kind: str) -> None:
+    """The KVStore contract both stores keep: a use moves a variant to the front."""
+    store = MemoryKVStore() if kind == "memory" else TieredKVStore([MemoryTier("host", 10**6)])
+    for context in ("ctx1", "ctx2"):
+        store.put(FP, make_variant("a", context))
+    assert [v.context for v in store.variants(FP, "a")] == ["ctx2", "ctx1"]
+    assert store.exact(FP, "a", "ctx1") is not None
+    assert [v.context for v in store.variants(FP, "a")] == ["ctx1", "ctx2"]

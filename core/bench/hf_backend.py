@@ -49,7 +49,7 @@ class HFGenerateBackend:
 
     @property
     def context_window(self) -> int:
-        return self.lm.spec.max_positions
+        return self.lm.spec.context_window
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         return render_chat(self.tokenizer, messages)
