@@ -21,6 +21,7 @@ from chunkcache.core.bench.cli import (
     existing_dir,
     existing_file,
 )
+from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
 from chunkcache.core.errors import ChunkCacheError
 
 if TYPE_CHECKING:
@@ -52,23 +53,22 @@ def _models_pull(args: argparse.Namespace) -> None:
 def _warm(args: argparse.Namespace) -> None:
     import torch
 
+    from chunkcache.core.corpus import load_corpus
     from chunkcache.core.engine import ChunkEngine
     from chunkcache.core.models import load_model
     from chunkcache.core.store.tiered import TieredKVStore
-    from chunkcache.core.store.warm import chroma_chunks, corpus_chunks, folder_chunks, warm
+    from chunkcache.core.store.warm import warm
+    from chunkcache.core.user_corpus import load_chroma_corpus, load_text_folder
 
     settings = _store_settings(args.config)
     if not settings.disk_bytes and not settings.redis_url:
         raise ValueError("warm needs a disk or Redis tier to keep what it computes")
-    if args.folder:
-        source = folder_chunks(args.folder, args.chunk_chars)
+    if args.folder:  # the chunks `bench rag --corpus-dir` / `--chroma` retrieve
+        chunks = load_text_folder(args.folder, args.chunk_chars)[: args.max_chunks]
     elif args.chroma:
-        source = chroma_chunks(args.chroma, args.collection)
+        chunks = load_chroma_corpus(args.chroma, args.collection)[: args.max_chunks]
     else:
-        source = corpus_chunks(args.max_chunks)
-    chunks = list(source)[: args.max_chunks]
-    if not chunks:
-        raise ValueError(f"nothing to warm: no text in {args.folder or args.chroma}")
+        chunks = load_corpus(args.chunk_chars, args.max_chunks)
     lm = load_model(args.model, dtype=getattr(torch, args.dtype))
     store = TieredKVStore.from_settings(settings.model_copy(update={"write_through": True}))
     try:
@@ -127,7 +127,12 @@ def _add_warm_parser(commands: Any) -> None:
     warm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     warm.add_argument("--prefix", default="", help="text before each chunk (the system prompt)")
     warm.add_argument("--policy", default="full", choices=["full", "cachecraft"])
-    warm.add_argument("--chunk-chars", type=POSITIVE, default=1000, help="chunk size for --folder")
+    warm.add_argument(
+        "--chunk-chars",
+        type=bounded_int(MIN_CHUNK_CHARS),
+        default=DEFAULT_CHUNK_CHARS,
+        help="chunk size of the bundled corpus or --folder, in characters (as bench rag's)",
+    )
     warm.add_argument("--max-chunks", type=POSITIVE, help="warm at most this many")
     warm.add_argument("--config", type=existing_file, help="store settings file (.toml/.json)")
     warm.set_defaults(run=_warm)

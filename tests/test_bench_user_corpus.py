@@ -11,15 +11,15 @@ import pytest
 from chromadb import EmbeddingFunction, Embeddings
 from chromadb.api.types import Embeddable
 
-from chunkcache.core.bench.user_corpus import (
+from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
+from chunkcache.core.corpus import MIN_CHUNK_CHARS
+from chunkcache.core.user_corpus import (
     UserCorpusError,
     UserQuestion,
     load_chroma_corpus,
     load_questions,
     load_text_folder,
 )
-from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
-from chunkcache.core.corpus import MIN_CHUNK_CHARS
 
 ODD = "Ünïcödé: ﬁne — 日本語テキスト, emoji 🧪, RTL עברית, combining e\u0301."
 
@@ -147,7 +147,7 @@ def test_chroma_round_trip(tmp_path):
 
 
 def test_chroma_pages_through_big_collections(tmp_path, monkeypatch):
-    from chunkcache.core.bench import user_corpus
+    from chunkcache.core import user_corpus
 
     monkeypatch.setattr(user_corpus, "_CHROMA_PAGE", 3)
     entries = [(f"id-{i:02d}", f"document number {i}", {"n": i}) for i in range(10)]
@@ -162,6 +162,13 @@ def test_chroma_errors(tmp_path):
     _collection(tmp_path, entries=[("x", "some text", {"k": 1})])
     with pytest.raises(UserCorpusError, match=r"no collection 'other' .*it has: notes"):
         load_chroma_corpus(tmp_path, "other")
+
+
+def test_chroma_refuses_a_folder_without_a_database_and_leaves_it_alone(tmp_path):
+    (tmp_path / "typo").mkdir()
+    with pytest.raises(UserCorpusError, match=r"typo has no database \(chroma\.sqlite3\)"):
+        load_chroma_corpus(tmp_path / "typo", "notes")
+    assert not any((tmp_path / "typo").iterdir())  # Chroma would have made one there
 
 
 def test_questions_plain_text(tmp_path):
@@ -221,7 +228,7 @@ def test_questions_missing_empty_or_undecodable(tmp_path):
 
 def test_importing_the_module_imports_no_chromadb_or_torch():
     code = (
-        "import sys, chunkcache.core.bench.user_corpus\n"
+        "import sys, chunkcache.core.user_corpus\n"
         "loaded = [m for m in ('chromadb', 'torch') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

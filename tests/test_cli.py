@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkcache.core.cli import main
+from chunkcache.core.cli import build_parser, main
 
 # Whatever runs after validation: each is replaced by a failure in these tests.
 SLOW_STEPS = (
@@ -17,6 +17,7 @@ SLOW_STEPS = (
     "chunkcache.core.bench.store_bench.run_store_bench",
     "chunkcache.core.bench.vllm_bench.run_vllm_bench",
     "chunkcache.core.serve.run_server",
+    "chunkcache.core.serve.loadtest_run.run_loadtest",
 )
 
 
@@ -57,6 +58,11 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, li
         ("warm --folder {tmp}/missing", "argument --folder: {tmp}/missing does not exist"),
         ("warm --chroma {tmp}/missing", "argument --chroma: {tmp}/missing does not exist"),
         ("warm --max-chunks -1", "argument --max-chunks: must be at least 1, got -1"),
+        ("warm --chunk-chars 199", "argument --chunk-chars: must be at least 200, got 199"),
+        ("bench serve --clients 0", "argument --clients: must be at least 1, got 0"),
+        ("bench serve --duration 0", "argument --duration: must be a positive number, got 0"),
+        ("bench serve --warmup nan", "argument --warmup: must be a positive number, got nan"),
+        ("bench serve --max-tokens 0", "argument --max-tokens: must be at least 1, got 0"),
         ("warm --config {tmp}/missing.toml", "argument --config: {tmp}/missing.toml does not"),
     ],
 )
@@ -98,8 +104,8 @@ def test_a_missing_model_is_one_line(
     [
         ("warm --config {tmp}/bad.toml", "{tmp}/bad.toml: Expected '=' after a key"),
         ("warm --config {tmp}/bogus.toml", "invalid StoreSettings: bogus=1: Extra inputs"),
-        ("warm --chroma {tmp}/empty", "{tmp}/empty: no Chroma database (chroma.sqlite3)"),
-        ("warm --folder {tmp}/empty", "nothing to warm: no text in {tmp}/empty"),
+        ("warm --chroma {tmp}/empty", "Chroma directory {tmp}/empty has no database"),
+        ("warm --folder {tmp}/empty", "corpus folder {tmp}/empty has no .txt or .md files"),
         ("bench rag --min-turns 3 --max-turns 2", "--min-turns 3 is more than --max-turns 2"),
     ],
 )
@@ -122,3 +128,14 @@ def test_a_bad_setting_from_the_environment_is_one_line(
         "chunkcache: error: invalid ServeSettings: port='abc': Input should be a valid "
         "integer, unable to parse string as an integer"
     ]
+
+
+@pytest.mark.usefixtures("nothing_slow_runs")
+def test_bench_serve_warmup_may_be_zero_but_not_negative(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["bench", "serve", "--warmup", "0"])
+    assert args.warmup == 0.0
+    code, err = run(["bench", "serve", "--warmup", "-1"], capsys)
+    assert code == 2
+    assert err[-1].endswith("argument --warmup: must be a positive number, got -1")

@@ -13,8 +13,9 @@ from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.models import load_model
 from chunkcache.core.segmenter import ChunkSegment, TextSegment
 from chunkcache.core.store import DiskTier, TieredKVStore
-from chunkcache.core.store.warm import folder_chunks
+from chunkcache.core.store.codec import namespace_of, segment_of
 from chunkcache.core.tokenization import SegmentTokenizer
+from chunkcache.core.user_corpus import load_text_folder
 
 WORDS = [f"w{i}" for i in range(3, 120)]
 
@@ -29,22 +30,6 @@ def write_texts(folder: Path) -> None:
     (folder / "skip.bin").write_bytes(b"\x00")
 
 
-def test_folder_chunks_pack_paragraphs(tmp_path: Path) -> None:
-    write_texts(tmp_path / "texts")
-    chunks = list(folder_chunks(tmp_path / "texts", chunk_chars=100))
-    assert len(chunks) == 6  # 5 paragraphs of 40-47 chars a file: 2 + 2 + 1
-    assert all(len(text) <= 100 for _, text in chunks)
-    assert len({cid for cid, _ in chunks}) == len(chunks)
-
-
-def test_folder_chunks_refuse_a_path_that_is_no_folder(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="missing"):
-        folder_chunks(tmp_path / "missing")
-    (tmp_path / "file.txt").write_text("w1 w2")
-    with pytest.raises(NotADirectoryError, match=r"file\.txt"):
-        folder_chunks(tmp_path / "file.txt")
-
-
 def test_warm_is_resumable_and_its_kv_is_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -53,49 +38,43 @@ def test_warm_is_resumable_and_its_kv_is_served(
     monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("CHUNKCACHE_STORE_HOST_BYTES", "100000")
     args = ["warm", "--folder", str(tmp_path / "texts"), "--model", str(model)]
-    args += ["--dtype", "float32", "--chunk-chars", "100", "--prefix", "w1 w2 w3"]
+    args += ["--dtype", "float32", "--chunk-chars", "200", "--prefix", "w1 w2 w3"]
     main([*args, "--max-chunks", "2"])
     assert "2 chunks computed, 0 already stored" in capsys.readouterr().out
     main(args)  # interrupted and restarted: only the rest is computed
-    assert "4 chunks computed, 2 already stored" in capsys.readouterr().out
+    assert "2 chunks computed, 2 already stored" in capsys.readouterr().out
 
     lm = load_model(model, dtype=torch.float32)
     store = TieredKVStore([DiskTier(tmp_path / "home" / "kv", 10**8)])
-    chunks = list(folder_chunks(tmp_path / "texts", chunk_chars=100))
-    assert all(store.contains_segment(lm.fingerprint, cid) for cid, _ in chunks)
+    chunks = load_text_folder(tmp_path / "texts", chunk_chars=200)
+    assert all(store.contains_segment(lm.fingerprint, c.chunk_id) for c in chunks)
     tokenize = SegmentTokenizer(lm.tokenizer)
-    cid, text = chunks[3]
-    request = tokenize([TextSegment("w1 w2 w3"), ChunkSegment(cid, text), TextSegment("w9 w8")])
+    chunk = ChunkSegment(chunks[3].chunk_id, chunks[3].text)
+    request = tokenize([TextSegment("w1 w2 w3"), chunk, TextSegment("w9 w8")])
     out = ChunkEngine(lm, store).prefill(request, "reuse")
     assert out.stats.chunk_hits == 1
     full = ChunkEngine(lm).prefill(request, "full").logits
     assert (out.logits - full).abs().max().item() < 1e-4
 
 
-def test_chroma_collection_chunks_carry_the_retriever_ids(tmp_path: Path) -> None:
-    chromadb = pytest.importorskip("chromadb")
-    from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
-    from chunkcache.core.store.warm import chroma_chunks
+def test_warm_folder_stores_the_chunks_bench_rag_retrieves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``warm --folder X`` and ``bench rag --corpus-dir X`` chunk X the same way: every chunk
+    warmed is one the benchmark retrieves, and the other way round."""
+    model = save_tiny_checkpoint(tmp_path / "model")
+    texts = tmp_path / "texts"
+    write_texts(texts)
+    (texts / "guides").mkdir()
+    (texts / "guides" / "notes.md").write_text("w4 w5 w6\n\nw7 w8")
+    (texts / ".drafts").mkdir()
+    (texts / ".drafts" / "hidden.txt").write_text("w9 w10")
+    monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path / "home"))
+    args = ["warm", "--folder", str(texts), "--model", str(model), "--dtype", "float32"]
+    main([*args, "--chunk-chars", "250"])
 
-    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"))
-    collection = client.create_collection("docs", embedding_function=None)
-    collection.add(
-        ids=["1", "2"],
-        documents=["w5 w6 w7", "w8 w9"],
-        metadatas=[{"chunk_id": "my-id"}, {"source": "x"}],
-        embeddings=[[0.1, 0.2], [0.3, 0.4]],
-    )
-    got = dict(chroma_chunks(tmp_path / "chroma", "docs"))
-    pinned = chunk_id_for("w5 w6 w7", {"chunk_id": "my-id"})
-    assert got == {pinned: "w5 w6 w7", chunk_id("w8 w9"): "w8 w9"}
-    with pytest.raises(ValueError, match=r"no collection 'nope' in .* \(it has: docs\)"):
-        chroma_chunks(tmp_path / "chroma", "nope")
-
-
-def test_chroma_chunks_refuse_a_folder_without_a_database(tmp_path: Path) -> None:
-    from chunkcache.core.store.warm import chroma_chunks
-
-    (tmp_path / "typo").mkdir()
-    with pytest.raises(FileNotFoundError, match="no Chroma database"):
-        chroma_chunks(tmp_path / "typo", "docs")
-    assert not any((tmp_path / "typo").iterdir())  # Chroma would have made one there
+    chunks = load_text_folder(texts, chunk_chars=250)
+    disk = DiskTier(tmp_path / "home" / "kv", 10**8)
+    namespace = namespace_of(load_model(model, dtype=torch.float32).fingerprint)
+    stored = {key.segment for key in disk.entry_keys() if key.namespace == namespace}
+    assert stored == {segment_of(chunk.chunk_id) for chunk in chunks}

@@ -113,7 +113,7 @@ def user_workload(
     chunk_chars: int = DEFAULT_CHUNK_CHARS,
 ) -> Workload:
     """A user's corpus (a folder, or ``chroma = (persist_dir, collection)``) and questions."""
-    from chunkcache.core.bench.user_corpus import (
+    from chunkcache.core.user_corpus import (
         load_chroma_corpus,
         load_questions,
         load_text_folder,

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from chunkcache.core.bench.cli import POSITIVE, positive_float
 from chunkcache.core.bench.report import environment, percentile
 from chunkcache.core.serve.loadtest import (
     LoadTest,
@@ -191,14 +192,26 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _zero_or_positive(text: str) -> float:
+    """An argparse ``type``: 0, or a number :func:`positive_float` accepts."""
+    with contextlib.suppress(ValueError):
+        if float(text) == 0:
+            return 0.0
+    return positive_float(text)
+
+
 def add_bench_serve_parser(bench: Any) -> None:
     """Add ``serve`` to ``chunkcache bench``'s subcommands."""
     parser = bench.add_parser("serve", help="load test of chunkcache serve over loopback")
     defaults = LoadTestConfig()
-    parser.add_argument("--clients", type=int, default=defaults.clients)
-    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds")
-    parser.add_argument("--warmup", type=float, default=defaults.warmup_s, help="seconds")
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--clients", type=POSITIVE, default=defaults.clients)
+    parser.add_argument(
+        "--duration", type=positive_float, default=defaults.duration_s, help="seconds"
+    )
+    parser.add_argument(
+        "--warmup", type=_zero_or_positive, default=defaults.warmup_s, help="seconds (0: none)"
+    )
+    parser.add_argument("--max-tokens", type=POSITIVE, default=defaults.max_tokens)
     parser.add_argument("--url", help="test this running server instead of starting one")
     parser.add_argument("--out", type=Path, default=defaults.out)
     parser.set_defaults(run=_bench_serve)

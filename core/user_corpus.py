@@ -1,6 +1,7 @@
-"""A user's own corpus and questions for the benchmark, as :class:`CorpusChunk` lists.
+"""A user's own corpus and questions, as :class:`CorpusChunk` lists.
 
-Three sources:
+``chunkcache warm`` and ``chunkcache bench rag`` both read a user's corpus here, so what
+one warms is what the other retrieves.  Three sources:
 
 - a folder of ``.txt`` / ``.md`` files, read recursively as UTF-8 and chunked the way
   the bundled corpus is (paragraphs packed up to ``chunk_chars``, each chunk led by a
@@ -109,13 +110,17 @@ def load_chroma_corpus(
     ``ChunkCacheRetriever`` assigns them); ``source`` is the Chroma id, ``title`` and
     ``topic`` the metadata's ``title`` / ``topic`` (or ``source``) when present.
     Entries without text are skipped with a warning.  Nothing is embedded: pass the
-    collection's ``embedding_function`` only if Chroma insists on it.
+    collection's ``embedding_function`` only if Chroma insists on it.  A directory
+    without ``chroma.sqlite3`` is refused before Chroma opens it (it would make an
+    empty database there).
     """
+    root = _existing(persist_dir, "Chroma directory")
+    if not (root / "chroma.sqlite3").is_file():
+        raise UserCorpusError(f"Chroma directory {root} has no database (chroma.sqlite3)")
     import chromadb
     from chromadb.config import Settings
     from chromadb.errors import NotFoundError
 
-    root = _existing(persist_dir, "Chroma directory")
     client = chromadb.PersistentClient(path=root, settings=Settings(anonymized_telemetry=False))
     try:
         collection = client.get_collection(collection_name, embedding_function=embedding_function)
