@@ -22,6 +22,7 @@ from typing import Any
 
 from chunkcache.core.access_table import DEFAULT_WINDOW, AccessTable
 from chunkcache.core.backends import BackendName, BackendSpec
+from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.generation import Backend
 from chunkcache.core.ledger import ConversationLedger, DedupeMode, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering, order_chunks
@@ -158,7 +159,7 @@ class ChunkCache:
             if store.contains_segment(fingerprint, segment_id):
                 return  # another variant of the chunk is still cached
             with self._lock:
-                self.prefix_tree.remove_chunk(segment_id)
+                self.prefix_tree.remove_chunk(chunk_id_of(segment_id))
 
         listeners.append(dropped)
 

@@ -3,7 +3,9 @@
 A chunk id is the first 128 bits of BLAKE2b over the Unicode-NFC form of the
 chunk text, prefixed by a version tag and the namespace.  It depends on nothing
 but the text and the namespace, so every process on every machine computes the
-same id for the same chunk.
+same id for the same chunk.  A caller's own id for a text does not replace that
+hash, it scopes it (:func:`content_bound_id`); the engine keys KV by the id and
+a hash of the tokens (:func:`chunk_key`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from chunkcache.core.errors import InvalidChunkError, InvalidTextError
@@ -70,22 +72,46 @@ def chunk_id(text: str, namespace: str = "") -> str:
 
 
 def content_bound_id(label: str, text: str, namespace: str = "") -> str:
-    """``text``'s id when a caller names it ``label``: ``label`` itself when it is the
-    text's content id, else the text's content id scoped by ``label``.
+    """``text``'s id when a caller names it ``label`` (e.g. ``metadata["chunk_id"]``).
 
-    So a caller-chosen id (a database key, a per-file chunk number, an id reused after
-    the document was edited, an id another tenant picked) never shares tokens, KV or a
-    retrieval slot with another text.
+    ``label`` itself when it already is the text's id (its content hash, or an id made
+    here); else ``<16 hex of the label>-<content hash>``.  So two texts under one caller
+    id (per-file chunk numbers, two versions of a document) never share an id, and an id
+    this returns is returned unchanged when it comes back.
 
     >>> content_bound_id(chunk_id("hello"), "hello") == chunk_id("hello")
     True
-    >>> content_bound_id("doc-7", "hello") == content_bound_id("doc-7", "hello, edited")
+    >>> bound = content_bound_id("doc-7", "hello")
+    >>> bound.endswith(chunk_id("hello")) and content_bound_id(bound, "hello") == bound
+    True
+    >>> bound == content_bound_id("doc-7", "hello, edited")
     False
     """
     content = chunk_id(text, namespace)
-    if label == content:
+    if label == content or label.endswith(f"-{content}"):
         return label
-    return chunk_id(text, namespace=f"{len(namespace)}:{namespace}{label}")
+    scope = hashlib.blake2b(digest_size=8)
+    scope.update(f"{len(namespace)}:{namespace}{label}".encode("utf-8", "surrogatepass"))
+    return f"{scope.hexdigest()}-{content}"
+
+
+def chunk_key(chunk_id: str, token_ids: Sequence[int]) -> str:
+    """A chunk's segment id in the engine and its KV store: the chunk id and a hash of its
+    tokens.
+
+    The tokens bind the KV to the text: a chunk id sent again with another text (an edited
+    document, another tenant's text under the same id) is another key, so a miss, never
+    the old text's KV.  :func:`chunk_id_of` gives the chunk id back.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(b"chunkcache/chunk-tokens/v1\x00")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return f"{chunk_id}#{digest.hexdigest()}"
+
+
+def chunk_id_of(segment_id: str) -> str:
+    """The chunk id inside a :func:`chunk_key` (any other segment id is returned as is)."""
+    return segment_id.partition("#")[0]
 
 
 def validate_chunk_id(value: object) -> str:

@@ -17,8 +17,8 @@ in the rendered prompt by exact text, wherever the template put them.
 
 Chunks the registry does not hold (another process retrieved them, or they were
 evicted) can be named per call: ``llm.invoke(messages, chunks=docs)`` takes
-Documents (id: ``metadata["chunk_id"]``, else the content hash, as the retriever
-computes it) or (chunk id, text) pairs.  Other per-call options: ``recompute``,
+Documents (id: as the retriever computes it, so its own documents keep theirs) or
+(chunk id, text) pairs.  Other per-call options: ``recompute``,
 ``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``.
 """
 

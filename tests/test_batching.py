@@ -13,7 +13,7 @@ import pytest
 from tiny_models import tiny_lm
 
 from chunkcache.core.batching import BatchingBackend
-from chunkcache.core.chunk_ids import content_bound_id
+from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
 from chunkcache.core.errors import QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, SamplingParams
@@ -36,7 +36,7 @@ class GatedEngine(ChunkEngine):
         self.order: list[str] = []
 
     def prefill(self, segments: Sequence[TokenSegment], *args: Any, **kwargs: Any) -> Prefilled:
-        self.order.append(LABELS[next(s.segment_id for s in segments if s.is_chunk)])
+        self.order.append(chunk_id_of(next(s.segment_id for s in segments if s.is_chunk)))
         assert self.gate.wait(timeout=30)
         return super().prefill(segments, *args, **kwargs)
 
@@ -50,13 +50,9 @@ def gated(lm: LoadedModel) -> Iterator[tuple[BatchingBackend, GatedEngine]]:
     assert backend.shutdown(timeout_s=10, drain=False)
 
 
-LABELS: dict[str, str] = {}  # the engine's (text-bound) segment id -> the chunk id sent
-
-
 def request(chunk: str, variant: int = 0, words: int = 10, **sampling: Any) -> GenerationRequest:
     """A prompt around chunk ``chunk``; variants 2, 4, 5 run 300 greedy tokens without EOS."""
     text = " ".join(f"w{(variant * 7 + i * 3) % 120}" for i in range(words + variant * 3))
-    LABELS[content_bound_id(chunk, text)] = chunk
     segments: list[Segment] = [TextSegment("w1 w2 "), ChunkSegment(chunk, text), TextSegment(" w9")]
     return GenerationRequest(segments, sampling=SamplingParams(**{"max_tokens": 6, **sampling}))
 

@@ -17,6 +17,8 @@ from chunkcache.core.chunk_ids import (
     CHUNK_ID_METADATA_KEY,
     chunk_id,
     chunk_id_for,
+    chunk_id_of,
+    chunk_key,
     normalize_text,
     validate_chunk_id,
 )
@@ -228,12 +230,29 @@ def test_chunk_id_for_scopes_the_text_hash_by_any_other_metadata_id() -> None:
         for text in ("first version", "second version")
         for label in ("doc-7", 0, "bad id\n", "")
     }
-    assert len(ids) == 8 and all(len(i) == 32 for i in ids)
+    assert len(ids) == 8 and all(validate_chunk_id(i) == i for i in ids)
     assert chunk_id_for("text", {"chunk_id": "doc-7"}) == chunk_id_for(
         "text", {"chunk_id": "doc-7"}
     )
     assert chunk_id_for("text", {"chunk_id": 0}) == chunk_id_for("text", {"chunk_id": "0"})
     assert chunk_id_for("text", {"chunk_id": "a"}, "ns") != chunk_id_for("text", {"chunk_id": "a"})
+
+
+@pytest.mark.parametrize("namespace", ["", "tenant-a"])
+def test_an_id_given_back_is_kept(namespace: str) -> None:
+    """A retriever's document passed back (as ``chunks=``, or through a second wrapper)
+    keeps its id: ids made from a caller's label are recognised as this text's."""
+    bound = chunk_id_for("text", {"chunk_id": "doc-7"}, namespace)
+    assert chunk_id_for("text", {"chunk_id": bound}, namespace) == bound
+    plain = chunk_id_for("text", None, namespace)
+    assert chunk_id_for("text", {"chunk_id": plain}, namespace) == plain
+    assert chunk_id_for("other text", {"chunk_id": bound}, namespace) != bound
+
+
+def test_a_chunk_key_binds_the_id_to_its_tokens() -> None:
+    assert chunk_key("doc-7", (1, 2, 3)) != chunk_key("doc-7", (1, 2, 4))
+    assert chunk_id_of(chunk_key("doc-7", (1, 2, 3))) == "doc-7"
+    assert chunk_id_of("a-text-segment-hash") == "a-text-segment-hash"
 
 
 def test_chunk_id_for_hashes_without_a_metadata_id() -> None:

@@ -9,8 +9,9 @@ import torch
 from tiny_models import save_tiny_checkpoint
 
 from chunkcache.core.cli import main
+from chunkcache.core.corpus import CorpusChunk
 from chunkcache.core.engine import ChunkEngine
-from chunkcache.core.models import load_model
+from chunkcache.core.models import LoadedModel, load_model
 from chunkcache.core.segmenter import ChunkSegment, TextSegment
 from chunkcache.core.store import DiskTier, TieredKVStore
 from chunkcache.core.store.codec import namespace_of, segment_of
@@ -30,6 +31,12 @@ def write_texts(folder: Path) -> None:
     (folder / "skip.bin").write_bytes(b"\x00")
 
 
+def keys_of(lm: LoadedModel, chunks: list[CorpusChunk]) -> list[str]:
+    """The store keys of ``chunks``: their ids bound to their tokens."""
+    tokenize = SegmentTokenizer(lm.tokenizer)
+    return [tokenize([ChunkSegment(c.chunk_id, c.text)])[0].segment_id for c in chunks]
+
+
 def test_warm_is_resumable_and_its_kv_is_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -47,7 +54,7 @@ def test_warm_is_resumable_and_its_kv_is_served(
     lm = load_model(model, dtype=torch.float32)
     store = TieredKVStore([DiskTier(tmp_path / "home" / "kv", 10**8)])
     chunks = load_text_folder(tmp_path / "texts", chunk_chars=200)
-    assert all(store.contains_segment(lm.fingerprint, c.chunk_id) for c in chunks)
+    assert all(store.contains_segment(lm.fingerprint, key) for key in keys_of(lm, chunks))
     tokenize = SegmentTokenizer(lm.tokenizer)
     chunk = ChunkSegment(chunks[3].chunk_id, chunks[3].text)
     request = tokenize([TextSegment("w1 w2 w3"), chunk, TextSegment("w9 w8")])
@@ -75,6 +82,7 @@ def test_warm_folder_stores_the_chunks_bench_rag_retrieves(
 
     chunks = load_text_folder(texts, chunk_chars=250)
     disk = DiskTier(tmp_path / "home" / "kv", 10**8)
-    namespace = namespace_of(load_model(model, dtype=torch.float32).fingerprint)
+    lm = load_model(model, dtype=torch.float32)
+    namespace = namespace_of(lm.fingerprint)
     stored = {key.segment for key in disk.entry_keys() if key.namespace == namespace}
-    assert stored == {segment_of(chunk.chunk_id) for chunk in chunks}
+    assert stored == {segment_of(key) for key in keys_of(lm, chunks)}

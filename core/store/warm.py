@@ -60,12 +60,13 @@ def warm(
     computed = skipped = 0
     bar = _progress(len(chunks), progress)
     for chunk in chunks:
-        if store.contains_segment(fingerprint, chunk.chunk_id):
+        segments: list[Segment] = [TextSegment(prefix)] if prefix else []
+        segments.append(ChunkSegment(chunk.chunk_id, chunk.text))
+        tokens = tokenize(segments)
+        if store.contains_segment(fingerprint, tokens[-1].segment_id):  # the chunk's key
             skipped += 1
         else:
-            segments: list[Segment] = [TextSegment(prefix)] if prefix else []
-            segments.append(ChunkSegment(chunk.chunk_id, chunk.text))
-            engine.prefill(tokenize(segments), policy)
+            engine.prefill(tokens, policy)
             computed += 1
         bar.update(1)
         bar.set_postfix(computed=computed, skipped=skipped)
