@@ -12,7 +12,7 @@ import torch
 from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_hf_model, tiny_lm, tiny_tokenizer
 
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
-from chunkcache.core.generation import SamplingParams
+from chunkcache.core.generation import Policy, SamplingParams
 from chunkcache.core.models import LoadedModel
 
 SYSTEM = text(random_ids(9, 1))
@@ -158,7 +158,9 @@ def test_a_conversation_stays_exact_from_turn_to_turn(lm: LoadedModel) -> None:
 
 
 @pytest.mark.parametrize("policy", ["prefix", "reuse", "cacheblend"])
-def test_a_forgotten_conversation_is_found_whole_in_the_store(lm: LoadedModel, policy: str) -> None:
+def test_a_forgotten_conversation_is_found_whole_in_the_store(
+    lm: LoadedModel, policy: Policy
+) -> None:
     engine = ChunkEngine(lm, max_conversations=1)
     first = engine.prefill([SYSTEM, A, QUESTION], "prefix", conversation_id="c", reserve=4)
     turn = [SYSTEM, A, QUESTION, answer(engine, first), B, text(random_ids(6, 12))]
@@ -192,7 +194,7 @@ def test_a_prompt_past_the_sliding_window_is_refused_by_every_policy() -> None:
         engine = ChunkEngine(lm)
         engine.prefill([short, text((5,))], "full")  # cached: the policies place it
         with pytest.raises(PromptTooLongError, match="context window of 16"):
-            engine.prefill([SYSTEM, short], policy)  # type: ignore[arg-type]
+            engine.prefill([SYSTEM, short], policy)
 
 
 def contexts_of(segments: list[TokenSegment]) -> list[str]:
