@@ -8,13 +8,17 @@ One request runs ``plan -> place -> compute -> store``:
    sequence, whichever is longer.  Always taken, whatever the policy but ``full``.
 2. Place: for ``reuse``/``cacheblend``/``cachecraft``, every later chunk with any
    stored variant has its keys moved to their new positions (RoPE shift) and its
-   values copied (CacheBlend §3).  ``cachecraft`` places the variant of lowest CFO
-   and counts f_r += 1/CFO on it (Cache-Craft §3.3); the others the most recent.
+   values copied (CacheBlend §3).  The variant computed in exactly this context is
+   placed when there is one; else ``cachecraft`` places the variant of lowest CFO and
+   counts f_r += 1/CFO on it (Cache-Craft §3.3), the others the most recently used.
    The KV goes in layer by layer (:mod:`chunkcache.core.chunk_placing`), on a background
-   thread ahead of compute when the request read entries from a slower tier.
+   thread ahead of compute when the request read entries from a slower tier and the
+   model runs off the CPU (``layer_loading=None``).
 3. Compute: tokens with no KV run all layers; reused tokens are selectively
    recomputed by the policy (:mod:`chunkcache.core.recompute`).
-4. Store: segments computed fresh become variants of their context.
+4. Store: segments computed fresh become variants of their context, and so does the
+   exact KV a conversation's past brought (its decoded answer included), so the store
+   serves the whole history as a prefix once the conversation is forgotten.
 
 ``cachecraft`` (Cache-Craft §3.1-3.3, :mod:`chunkcache.core.craft`) recomputes, on
 every layer, the top ``ceil(CFO * |C|)`` tokens of each placed chunk by their stored

@@ -12,7 +12,8 @@ server (``POST /v1/chunkcache/render``), which holds the tokenizer.
 Errors: the server unreachable, timing out, failing or answering something other than
 the JSON it should -> :class:`BackendUnavailableError`; a 429 -> :class:`QueueFullError`
 (with the server's Retry-After, seconds or a date); a 503 -> :class:`ShuttingDownError`;
-a 400 -> ValueError with the server's message.
+a 400, 404 or 413 -> ValueError with the server's message; a ``base_url`` that is not an
+http(s) URL -> ValueError when the backend is made.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def with_chunk_history(
     ``RunnableWithMessageHistory`` reads, passed to the retriever in the config.
     ``max_history_turns`` (None: no limit) bounds the earlier turns a prompt carries:
     past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
-    so the cached prefix breaks once every few turns rather than every turn.
+    so the cached prefix breaks once every few turns rather than every turn.  Trimming
+    deletes those turns from the session history itself (a persistent one included).
     Extra keyword arguments go to ``RunnableWithMessageHistory``.
     """
     if max_history_turns is not None and max_history_turns < 1:

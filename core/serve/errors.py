@@ -4,7 +4,8 @@
 failure                                    status  error type (code)
 =========================================  ======  ====================================
 bad body, prompt too long, bad policy,     400     invalid_request_error
-max_tokens over the limit, empty messages
+max_tokens over the limit, empty messages,
+a bad seed, text with a lone surrogate
 missing or wrong API key                   401     authentication_error (invalid_api_key)
 another model than the one served          404     invalid_request_error (model_not_found)
 body larger than ``max_body_bytes``        413     invalid_request_error (body_too_large)

@@ -7,10 +7,10 @@ more is refused with :class:`QueueFullError` (a 429) before it costs anything.  
 with its own queue (continuous batching) may refuse too, before its first token.  After
 :meth:`Runner.close` new requests get :class:`ShuttingDownError` (a 503).
 
-A request closed before its end (its client left) closes the backend's stream.  A stream with
-a thread-safe ``cancel()`` (the batching backend's) is also cancelled at once from the event
-loop, even while its worker waits for a piece (queued or in prefill): its job then leaves the
-scheduler without waiting for its next token.
+A request closed before its end (its client left) closes the backend's stream.  A stream
+with a thread-safe ``cancel()`` (the batching and local backends') is also cancelled at once
+from the event loop, even while its worker waits for a piece (queued, waiting for the
+engine, or in prefill): it then stops without waiting for its next token.
 """
 
 from __future__ import annotations

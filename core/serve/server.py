@@ -48,7 +48,7 @@ def build_backend(settings: ServeSettings, store: Any) -> Any:
             )
     from chunkcache.core.local_backend import LocalBackend
 
-    log.info("chunkcache serve: the local backend, one request at a time")
+    log.info("chunkcache serve: the local backend, one prefill or decode step at a time")
     return LocalBackend.default(settings.model, dtype=dtype, store=store)
 
 

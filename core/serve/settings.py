@@ -30,8 +30,8 @@ class ServeSettings(BaseSettings):
     )
     backend: Literal["auto", "batching", "local"] = Field(
         default="auto",
-        description="batching: continuous batching; local: one request at a time; "
-        "auto: batching when this install has it",
+        description="batching: continuous batching; local: one prefill or decode step at a "
+        "time, unbatched; auto: batching when this install has it",
     )
     api_key: SecretStr | None = Field(
         default=None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
