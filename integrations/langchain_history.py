@@ -32,6 +32,8 @@ window (CRAFT §4.3 drops the earliest turns; their answers carry what they said
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,9 +43,10 @@ from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
+from langchain_core.runnables.base import RunnableBinding
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
-from chunkcache.integrations.langchain import ChunkCacheRetriever, conversation_id_from_config
+from chunkcache.integrations.langchain import ChunkCacheRetriever
 
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
@@ -105,8 +108,9 @@ def with_chunk_history(
 
     ``chain`` receives the input dict plus ``history_key`` (earlier messages) and
     ``turn_key`` (a one-message list holding this turn's chunks and question); see
-    :func:`chunk_chat_prompt`.  The conversation id is the ``session_id`` that
-    ``RunnableWithMessageHistory`` reads, passed to the retriever in the config.
+    :func:`chunk_chat_prompt`.  The conversation is the history's key values (the
+    ``session_id`` ``RunnableWithMessageHistory`` reads, by default), passed to the
+    retriever as its ``conversation_id``; a retriever wrapped by ``with_config`` works.
     ``max_history_turns`` (None: no limit) bounds the earlier turns a prompt carries:
     past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
     so the cached prefix breaks once every few turns rather than every turn.  Trimming
@@ -123,6 +127,17 @@ def with_chunk_history(
         **history_kwargs,
     )
     history_keys = [spec.id for spec in with_history.history_factory_config]
+    chunk_retriever = _chunk_cache_retriever(retriever)
+
+    def conversation_of(config: RunnableConfig) -> str | None:
+        """The conversation a turn belongs to: its history's key values (the session id by
+        default); the retriever dedupes against it, whatever keys the app names."""
+        configurable = config.get("configurable", {})
+        if any(key not in configurable for key in history_keys):
+            return None
+        values = [str(configurable[key]) for key in history_keys]
+        joined = values[0] if len(values) == 1 else json.dumps(values)
+        return joined if len(joined) <= 200 else hashlib.sha256(joined.encode()).hexdigest()
 
     def session_history(config: RunnableConfig) -> BaseChatMessageHistory | None:
         """The history ``with_history`` will use; None when the config lacks its keys."""
@@ -134,9 +149,9 @@ def with_chunk_history(
         return get_session_history(**{key: configurable[key] for key in history_keys})
 
     def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
-        conversation_id = conversation_id_from_config(config)
-        if isinstance(retriever, ChunkCacheRetriever) and conversation_id is not None:
-            retriever.cache.ledger.replace(conversation_id, chunk_ids_in(messages))
+        conversation_id = conversation_of(config)
+        if chunk_retriever is not None and conversation_id is not None:
+            chunk_retriever.cache.ledger.replace(conversation_id, chunk_ids_in(messages))
 
     def prepare(config: RunnableConfig) -> None:
         history = session_history(config)
@@ -173,20 +188,34 @@ def with_chunk_history(
             )
         return str(inputs[question_key])
 
+    def conversation_kwargs(config: RunnableConfig) -> dict[str, Any]:
+        """The retriever's ``conversation_id``, when it is one of ours (else nothing)."""
+        return {} if chunk_retriever is None else {"conversation_id": conversation_of(config)}
+
     def build_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
         question = question_in(inputs)
         prepare(config)
-        return turn_messages(retriever.invoke(question, config), question)
+        documents = retriever.invoke(question, config, **conversation_kwargs(config))
+        return turn_messages(documents, question)
 
     async def abuild_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
         question = question_in(inputs)
         await aprepare(config)
-        return turn_messages(await retriever.ainvoke(question, config), question)
+        documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
+        return turn_messages(documents, question)
 
     add_turn = RunnablePassthrough.assign(
         **{turn_key: RunnableLambda(build_turn, afunc=abuild_turn)}
     )
     return add_turn | with_history
+
+
+def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:
+    """``retriever``, or the one inside its bindings (``with_config``, ``bind``), when it is
+    a :class:`ChunkCacheRetriever`: the one whose ledger a turn keeps in sync."""
+    while isinstance(retriever, RunnableBinding):
+        retriever = retriever.bound
+    return retriever if isinstance(retriever, ChunkCacheRetriever) else None
 
 
 def chunk_ids_in(messages: Sequence[BaseMessage]) -> list[str]:

@@ -14,7 +14,12 @@ from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from langchain_core.runnables import (
+    ConfigurableFieldSpec,
+    Runnable,
+    RunnableConfig,
+    RunnableLambda,
+)
 
 from chunkcache.core import ChunkCache
 from chunkcache.core.ledger import DedupeMode
@@ -181,3 +186,49 @@ def test_a_missing_question_key_says_which_key_it_wants() -> None:
     conversation = Conversation()
     with pytest.raises(KeyError, match="question_key"):
         conversation.chain.invoke({"query": "0"}, config=CONFIG)
+
+
+def test_a_history_keyed_by_other_fields_is_the_conversation() -> None:
+    """``history_factory_config`` with two keys, neither of which the retriever reads from
+    the config: the keys' values name the conversation, so two users sharing one of them
+    each keep their own chunks, and none repeats."""
+    histories: dict[tuple[str, str], InMemoryChatMessageHistory] = {}
+    prompts: list[list[BaseMessage]] = []
+
+    def history(user_id: str, chat_id: str) -> InMemoryChatMessageHistory:
+        return histories.setdefault((user_id, chat_id), InMemoryChatMessageHistory())
+
+    def record(prompt: PromptValue) -> PromptValue:
+        prompts.append(prompt.to_messages())
+        return prompt
+
+    keys = [
+        ConfigurableFieldSpec(id=key, annotation=str, name=key, default="", is_shared=True)
+        for key in ("user_id", "chat_id")
+    ]
+    chain = with_chunk_history(
+        chunk_chat_prompt("Answer.") | RunnableLambda(record) | FakeListChatModel(responses=["a"]),
+        ChunkCacheRetriever(base_retriever=WindowRetriever(), cache=ChunkCache(), dedupe="drop"),
+        history,
+        history_factory_config=keys,
+    )
+    for user, start in [("A", "0"), ("B", "3"), ("A", "2"), ("B", "4")]:
+        config = RunnableConfig(configurable={"user_id": user, "chat_id": "1"})
+        chain.invoke({"question": start}, config=config)
+    assert facts_in(prompts[-2]) == TEXTS[:5]  # A: 0-2, then 3-4 (2 was there already)
+    assert facts_in(prompts[-1]) == TEXTS[3:7]  # B: 3-5, then 6
+
+
+def test_a_retriever_bound_with_config_is_kept_in_sync() -> None:
+    conversation = Conversation(max_history_turns=1)
+    bound = conversation.retriever.with_config(tags=["docs"])
+    conversation.chain = with_chunk_history(
+        chunk_chat_prompt("Answer.")
+        | RunnableLambda(conversation._record)
+        | FakeListChatModel(responses=["a"] * 5),
+        bound,
+        lambda sid: conversation.histories.setdefault(sid, InMemoryChatMessageHistory()),
+        max_history_turns=1,
+    )
+    conversation.ask("0", "3", "0")  # the first turn is trimmed away: its facts come back
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:6]
