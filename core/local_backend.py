@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -135,9 +136,11 @@ class LocalStream(Iterator[GenerationChunk]):
         self._cancelled.set()
 
     def close(self) -> None:
-        """Stop now (from the consuming thread): decoding ends at the piece read last."""
+        """Stop: on the consuming thread at once (decoding ends at the piece read last); from
+        another thread, while a piece is being made, at the request's next engine step."""
         self._cancelled.set()
-        self._pieces.close()
+        with contextlib.suppress(ValueError):  # "generator already executing": cancelled
+            self._pieces.close()
 
 
 class _Cancelled(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -221,3 +222,13 @@ def test_a_cancelled_async_call_never_runs_while_it_waits(framework: str) -> Non
 
     asyncio.run(scenario())
     assert engine.prefills == 1
+
+
+def test_closing_a_stream_from_another_thread_stops_it() -> None:
+    backend = LocalBackend(ChunkEngine(tiny_lm("llama")))
+    stream = backend.stream(long_request(14))
+    with backend._lock:  # another request holds the engine: the stream waits inside next()
+        pieces = ThreadPoolExecutor(1).submit(list, stream)
+        time.sleep(0.2)
+        stream.close()  # mid-next on the consuming thread: no "generator already executing"
+    assert pieces.result(timeout=30) == []

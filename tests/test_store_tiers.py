@@ -10,6 +10,7 @@ from test_store_support import FP, make_variant, same_kv, tree_bytes
 
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore, delta
+from chunkcache.core.store.tier import Tier
 
 VARIANT_BYTES = make_variant("x").num_bytes  # 256
 
@@ -246,3 +247,16 @@ def test_statistics_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         store.put(FP, make_variant(f"s{i}"))
         assert len(store.stats) <= 2 * (len(host) + 5) + 1
     assert store.metrics()["tiers"]["host"]["demotions"] == 38
+
+
+def test_a_closed_store_still_takes_work_inline(tmp_path: Path) -> None:
+    """A server shutting down closes the store while a request may still finish: its
+    write-through, prefetch and flush run inline instead of failing on the closed pool."""
+    tiers: list[Tier] = [MemoryTier("host", 10**6), DiskTier(tmp_path, 10**6)]
+    store = TieredKVStore(tiers, write_through=True)
+    store.close()
+    a = make_variant("a")
+    store.put(FP, a)
+    store.flush()
+    assert store.prefetch(FP, ["a"]).result() == 0  # already at the top
+    assert same_kv(TieredKVStore([DiskTier(tmp_path, 10**6)]).exact(FP, "a", "root"), a)

@@ -85,6 +85,7 @@ class TieredKVStore(TieredReads):
         self._whole_until: dict[str, float] = {}  # tier name -> monotonic end of whole reads
         self._lock = threading.RLock()
         self._background: ThreadPoolExecutor | None = None
+        self._closed = False
 
     # -- KVStore ---------------------------------------------------------------------------
 
@@ -218,9 +219,13 @@ class TieredKVStore(TieredReads):
             yield usage
 
     def close(self) -> None:
-        """Wait for background work, then release the tiers' connections."""
-        if self._background is not None:
-            self._background.shutdown(wait=True)
+        """Wait for background work, then release the tiers' connections.  Work submitted
+        later (a request still finishing while a server shuts down) runs inline."""
+        with self._lock:
+            self._closed = True
+            background = self._background
+        if background is not None:
+            background.shutdown(wait=True)
         for tier in self.tiers:
             close: Callable[[], None] | None = getattr(tier, "close", None)
             if close is not None:
@@ -240,6 +245,13 @@ class TieredKVStore(TieredReads):
                 raise
 
         with self._lock:
-            if self._background is None:
-                self._background = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-store")
-        return self._background.submit(logged)
+            if not self._closed:
+                if self._background is None:
+                    self._background = ThreadPoolExecutor(1, thread_name_prefix="chunkcache-store")
+                return self._background.submit(logged)
+        done: Future[T] = Future()  # closed: no pool to run on, so here and now
+        try:
+            done.set_result(logged())
+        except Exception as error:
+            done.set_exception(error)
+        return done
