@@ -23,7 +23,7 @@ When is ``dedupe="drop"`` safe?  Dropping a chunk the conversation has already
 seen (CRAFT §4.3) loses nothing only while that chunk is still in the prompt,
 i.e. while every earlier turn's chunks stay in the chat history.  That holds for
 ``ChunkCacheChatEngine``, which keeps each turn's chunks in that turn's user
-message and re-syncs the ledger whenever it trims or replaces its history.  It
+message and resets the ledger to the chunks in its history before every turn.  It
 does not hold for engines that put the context in a per-turn system message
 (``ContextChatEngine``) or that trim memory on their own: use ``"mark"`` (the
 default) there, or call ``cache.ledger.forget(conversation_id)`` whenever the

@@ -11,13 +11,16 @@ so the prompt of turn t+1 is exactly the prompt of turn t, plus its answer, plus
 one new user message: a prefix cache (ours or vLLM's) reuses all of it.
 
 Because every chunk the conversation has seen is still in the prompt, the
-engine's retriever drops repeats (``dedupe="drop"``) by default.  Whenever the
-history loses chunks (``max_history_turns`` trims it, ``chat_history=`` replaces
-it, a turn fails or its stream is abandoned) the engine re-syncs the
-conversation ledger to the chunks still in the history, so a chunk that left
-the prompt is sent again the next time it is retrieved.  (CRAFT argues the
-answers already carry what trimmed chunks said; re-sending is the cautious
-choice.)
+engine's retriever drops repeats (``dedupe="drop"``) by default.  Each turn's
+user message records its chunk ids (``additional_kwargs["chunk_ids"]``, the key
+the LangChain helper uses too), so a history saved from :attr:`chat_history`
+and passed back as ``chat_history=`` keeps its chunks.  Before every turn the
+history is trimmed to ``max_history_turns`` and the conversation's ledger is
+reset to the chunks still in it, so a chunk that left the prompt (trimmed,
+replaced, a failed turn or abandoned stream) is sent again the next time it is
+retrieved, and one still in it is not sent again even if the ledger lost the
+conversation (LRU bound, TTL).  (CRAFT argues the answers already carry what
+trimmed chunks said; re-sending is the cautious choice.)
 
 >>> engine = ChunkCacheChatEngine.from_defaults(  # doctest: +SKIP
 ...     index.as_retriever(similarity_top_k=4), llm, system_prompt="Answer from the context."
@@ -28,7 +31,7 @@ choice.)
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -51,21 +54,22 @@ from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
 
-__all__ = ["DEFAULT_CONTEXT_TEMPLATE", "DEFAULT_SYSTEM_PROMPT", "ChunkCacheChatEngine"]
+__all__ = [
+    "CHUNK_IDS_KEY",
+    "DEFAULT_CONTEXT_TEMPLATE",
+    "DEFAULT_SYSTEM_PROMPT",
+    "ChunkCacheChatEngine",
+]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer using the context given in the conversation."
 )
 DEFAULT_CONTEXT_TEMPLATE = "Context:\n{context_str}\n\nQuestion: {query_str}"
 CHUNK_SEPARATOR = "\n\n"
-
-
-@dataclass(frozen=True)
-class _Turn:
-    """Messages of one turn (or of a history given by the caller) and the chunks they hold."""
-
-    messages: tuple[ChatMessage, ...]
-    chunk_ids: tuple[str, ...]
+# A turn's user message lists its chunk ids under this additional_kwargs key; the
+# same string as integrations/langchain_history.py's (not imported: that module
+# needs langchain).
+CHUNK_IDS_KEY = "chunk_ids"
 
 
 class ChunkCacheChatEngine(BaseChatEngine):
@@ -84,7 +88,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
             the caller then keeps the conversation within the context window).
             When exceeded, the oldest turns go in one step, keeping the newest
             ``(max_history_turns + 1) // 2``, so the cached prefix breaks once
-            every few turns rather than every turn.
+            every few turns rather than every turn.  A ``chat_history=`` given
+            to a turn is trimmed the same way (a turn starts at a user message).
 
     One turn at a time: consume a stream before starting the next turn.
     """
@@ -114,10 +119,9 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self._system_message = ChatMessage(role=llm.metadata.system_role, content=system_prompt)
         self._context_template = context_template
         self._max_history_turns = max_history_turns
-        self._turns: list[_Turn] = []
+        self._history: list[ChatMessage] = []
         # Bumped by every turn start and reset; a turn commits only if it is still current.
         self._turn_serial = 0
-        self._ledger_in_sync = True
 
     @classmethod
     def from_defaults(
@@ -160,14 +164,14 @@ class ChunkCacheChatEngine(BaseChatEngine):
 
     @property
     def chat_history(self) -> list[ChatMessage]:
-        """User and assistant messages as the LLM saw them (user messages hold the chunks)."""
-        return [message for turn in self._turns for message in turn.messages]
+        """User and assistant messages; each user message holds its turn's chunks and
+        records their ids under ``additional_kwargs[CHUNK_IDS_KEY]``."""
+        return list(self._history)
 
     def reset(self) -> None:
         """Forget the history and the conversation's chunks in the ledger."""
-        self._turns.clear()
+        self._history = []
         self._retriever.cache.ledger.forget(self._conversation_id)
-        self._ledger_in_sync = True
         self._turn_serial += 1
 
     def chat(
@@ -177,7 +181,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         nodes = self._retriever.retrieve(message)
         user, prompt = self._prompt(message, nodes)
         answer = self._llm.chat(prompt).message
-        self._commit(turn, user, answer, nodes)
+        self._commit(turn, user, answer)
         return _response(answer, nodes)
 
     async def achat(
@@ -187,7 +191,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         nodes = await self._retriever.aretrieve(message)
         user, prompt = self._prompt(message, nodes)
         answer = (await self._llm.achat(prompt)).message
-        self._commit(turn, user, answer, nodes)
+        self._commit(turn, user, answer)
         return _response(answer, nodes)
 
     def stream_chat(
@@ -203,7 +207,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
             for response in stream:
                 answer += response.delta or ""
                 yield response
-            self._commit(turn, user, _assistant(answer), nodes)
+            self._commit(turn, user, _assistant(answer))
 
         return StreamingAgentChatResponse(
             chat_stream=commit_at_end(), source_nodes=nodes, is_writing_to_memory=False
@@ -222,21 +226,15 @@ class ChunkCacheChatEngine(BaseChatEngine):
             async for response in stream:
                 answer += response.delta or ""
                 yield response
-            self._commit(turn, user, _assistant(answer), nodes)
+            self._commit(turn, user, _assistant(answer))
 
         return StreamingAgentChatResponse(
             achat_stream=commit_at_end(), source_nodes=nodes, is_writing_to_memory=False
         )
 
     def _begin(self, chat_history: list[ChatMessage] | None) -> int:
-        """Start a turn: adopt a caller's history, make the ledger match the history."""
-        if chat_history is not None:
-            self._turns = [_Turn(tuple(chat_history), ())] if chat_history else []
-            self._ledger_in_sync = False
-        if not self._ledger_in_sync:
-            self._sync_ledger()
-        # Until this turn commits, the ledger holds chunks the history does not.
-        self._ledger_in_sync = False
+        """Start a turn: adopt a caller's history (if given), trim it, sync the ledger."""
+        self._settle(self._history if chat_history is None else list(chat_history))
         self._turn_serial += 1
         return self._turn_serial
 
@@ -251,31 +249,50 @@ class ChunkCacheChatEngine(BaseChatEngine):
             text = self._context_template.format(context_str=context, query_str=message)
         else:
             text = message
-        user = ChatMessage(role=MessageRole.USER, content=text)
-        return user, [self._system_message, *self.chat_history, user]
+        chunk_ids = [n.node.metadata["chunk_id"] for n in nodes]
+        user = ChatMessage(
+            role=MessageRole.USER, content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids}
+        )
+        history = [_for_llm(m) for m in self._history]
+        return user, [self._system_message, *history, _for_llm(user)]
 
-    def _commit(
-        self, turn: int, user: ChatMessage, answer: ChatMessage, nodes: list[NodeWithScore]
-    ) -> None:
+    def _commit(self, turn: int, user: ChatMessage, answer: ChatMessage) -> None:
         """Append a finished turn (unless a reset or a later turn came first), then trim."""
-        if turn != self._turn_serial:
-            return
-        chunk_ids = tuple(n.node.metadata["chunk_id"] for n in nodes)
-        self._turns.append(_Turn((user, answer), chunk_ids))
-        self._trim()
-        self._ledger_in_sync = True
+        if turn == self._turn_serial:
+            self._settle([*self._history, user, answer])
 
-    def _trim(self) -> None:
-        limit = self._max_history_turns
-        if limit is None or len(self._turns) <= limit:
-            return
-        del self._turns[: len(self._turns) - (limit + 1) // 2]
-        self._sync_ledger()
+    def _settle(self, history: list[ChatMessage]) -> None:
+        """Make ``history``, trimmed, the engine's, and the ledger exactly its chunks."""
+        self._history = _trimmed(history, self._max_history_turns)
+        self._retriever.cache.ledger.replace(self._conversation_id, _chunk_ids_in(self._history))
 
-    def _sync_ledger(self) -> None:
-        """Make the conversation's ledger entry exactly the chunks still in the history."""
-        chunk_ids = [c for turn in self._turns for c in turn.chunk_ids]
-        self._retriever.cache.ledger.replace(self._conversation_id, chunk_ids)
+
+def _chunk_ids_in(messages: Sequence[ChatMessage]) -> list[str]:
+    """The chunk ids the user messages in ``messages`` recorded, in order."""
+    return [
+        chunk_id
+        for message in messages
+        if message.role == MessageRole.USER
+        for chunk_id in message.additional_kwargs.get(CHUNK_IDS_KEY, ())
+    ]
+
+
+def _trimmed(messages: list[ChatMessage], max_turns: int | None) -> list[ChatMessage]:
+    """``messages`` less the oldest turns (a turn starts at a user message) when they
+    hold more than ``max_turns``; then the newest ``(max_turns + 1) // 2`` stay."""
+    starts = [i for i, message in enumerate(messages) if message.role == MessageRole.USER]
+    if max_turns is None or len(starts) <= max_turns:
+        return messages
+    return messages[starts[len(starts) - (max_turns + 1) // 2] :]
+
+
+def _for_llm(message: ChatMessage) -> ChatMessage:
+    """``message`` without its chunk ids: some LLM classes (OpenAI's among them) send
+    ``additional_kwargs`` to the API as message fields."""
+    if CHUNK_IDS_KEY not in message.additional_kwargs:
+        return message
+    kwargs = {k: v for k, v in message.additional_kwargs.items() if k != CHUNK_IDS_KEY}
+    return message.model_copy(update={"additional_kwargs": kwargs})
 
 
 def _assistant(text: str) -> ChatMessage:

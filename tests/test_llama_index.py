@@ -20,8 +20,9 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 
 from chunkcache.core import ChunkCache, chunk_id, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.ledger import ConversationLedger
 from chunkcache.integrations.llama_index import ChunkCachePostprocessor, ChunkCacheRetriever
-from chunkcache.integrations.llama_index_chat import ChunkCacheChatEngine
+from chunkcache.integrations.llama_index_chat import CHUNK_IDS_KEY, ChunkCacheChatEngine
 
 A, B, C, D, E = (
     "Alpha: json.dumps serializes an object to a JSON string.",
@@ -278,12 +279,14 @@ def test_postprocessor_fields_and_for_conversation() -> None:
 TURNS = {"q1": [A, B, C], "q2": [B, C, D], "q3": [D, A, E], "q4": [A, B]}
 
 
-def make_engine(results: dict[str, list[str]] = TURNS, **kwargs: Any) -> ChunkCacheChatEngine:
+def make_engine(
+    results: dict[str, list[str]] = TURNS, *, cache: ChunkCache | None = None, **kwargs: Any
+) -> ChunkCacheChatEngine:
     return ChunkCacheChatEngine.from_defaults(
         FixedRetriever(results),
         RecordingLLM(messages_to_prompt=chatml),
         system_prompt="Answer from the context.",
-        cache=ChunkCache(),
+        cache=cache or ChunkCache(),
         conversation_id="chat-1",
         **kwargs,
     )
@@ -378,6 +381,57 @@ def test_given_chat_history_replaces_history_and_ledger() -> None:
     ]
     assert sorted(texts(engine.chat("q1", chat_history=given).source_nodes)) == [A, B, C]
     assert engine.chat_history[:2] == given
+
+
+@pytest.mark.parametrize("lost", ["evicted", "expired"])
+def test_a_ledger_entry_lost_to_its_bounds_is_rebuilt_from_the_history(lost: str) -> None:
+    now = [0.0]
+    ledger = ConversationLedger(max_conversations=1, ttl_s=10, clock=lambda: now[0])
+    engine = make_engine(cache=ChunkCache(ledger=ledger))
+    engine.chat("q1")
+    if lost == "evicted":
+        ledger.record("chat-2", [chunk_id(E)])  # another conversation takes the only slot
+    else:
+        now[0] = 11.0  # the chat resumes after the ledger's TTL
+    assert "chat-1" not in ledger
+    assert texts(engine.chat("q2").source_nodes) == [D]
+    final = prompts(engine)[-1]
+    assert all(final.count(text) == 1 for text in (A, B, C, D))
+    assert_each_prompt_extends_the_last(engine)
+
+
+def test_a_history_passed_back_keeps_its_chunks() -> None:
+    engine = make_engine()
+    engine.chat("q1")
+    # As an app would store it, then load it for the next turn.
+    saved = [ChatMessage.model_validate_json(m.model_dump_json()) for m in engine.chat_history]
+    assert set(saved[0].additional_kwargs[CHUNK_IDS_KEY]) == {chunk_id(t) for t in (A, B, C)}
+    assert texts(engine.chat("q2", chat_history=saved).source_nodes) == [D]
+    resumed = make_engine()  # another engine, with an empty ledger
+    sent_kwargs: list[dict[str, Any]] = []
+
+    def render(messages: Sequence[ChatMessage]) -> str:
+        sent_kwargs.extend(m.additional_kwargs for m in messages)
+        return chatml(messages)
+
+    recording_llm(resumed).messages_to_prompt = render
+    assert texts(resumed.chat("q3", chat_history=engine.chat_history).source_nodes) == [E]
+    final = prompts(resumed)[-1]
+    assert all(final.count(text) == 1 for text in (A, B, C, D, E))
+    assert not any(CHUNK_IDS_KEY in kwargs for kwargs in sent_kwargs)  # kept from the LLM
+
+
+def test_max_history_turns_trims_a_given_history() -> None:
+    earlier = make_engine()
+    for query in ("q1", "q2", "q3"):  # turns holding A, B, C | D | E
+        earlier.chat(query)
+    engine = make_engine(max_history_turns=2)
+    nodes = engine.chat("q4", chat_history=earlier.chat_history).source_nodes
+    assert sorted(texts(nodes)) == [A, B]  # only turn 3 (E) is kept, so A and B are resent
+    final = prompts(engine)[-1]
+    assert final.count("<|im_start|>user") == 2
+    assert [final.count(text) for text in (A, B, C, D, E)] == [1, 1, 0, 0, 1]
+    assert [m.content for m in engine.chat_history][1] == "Answer 3."
 
 
 def test_engine_arguments_are_checked() -> None:
