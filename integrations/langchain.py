@@ -55,7 +55,8 @@ class ChunkCacheRetriever(BaseRetriever):
             safe when earlier turns' chunks stay in the prompt, see
             :func:`chunkcache.integrations.langchain_history.with_chunk_history`)
             or ``"off"``.
-        k: number of documents to ask the base retriever for (forwarded as ``k``).
+        k: number of documents to ask the base retriever for (forwarded as ``k``); a base
+            retriever that takes no ``k`` has its results cut to the first ``k``.
 
     The conversation id comes from ``config["configurable"]`` (``conversation_id``,
     ``session_id`` or ``thread_id``) or a ``conversation_id=`` keyword; without
@@ -116,6 +117,7 @@ class ChunkCacheRetriever(BaseRetriever):
         return kwargs
 
     def _arrange(self, documents: list[Document], conversation_id: str | None) -> list[Document]:
+        documents = documents[: self.k]  # langchain-core drops a k the base does not take
         plan = plan_retrieval(
             [(doc.page_content, doc.metadata) for doc in documents],
             self.cache,
@@ -134,7 +136,7 @@ def _documents_from_plan(
     for chunk in plan.chunks:
         source = documents[chunk.source_index]
         metadata = {
-            **source.metadata,
+            **(source.metadata or {}),
             "chunk_id": chunk.chunk_id,
             "retriever_rank": chunk.retriever_rank,
         }

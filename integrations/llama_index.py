@@ -88,7 +88,7 @@ def plan_nodes(
             added["seen_in_conversation"] = chunk.seen_in_conversation
         node = source.node.model_copy(
             update={
-                "metadata": {**source.node.metadata, **added},
+                "metadata": {**(source.node.metadata or {}), **added},
                 "excluded_llm_metadata_keys": _union(source.node.excluded_llm_metadata_keys, added),
                 "excluded_embed_metadata_keys": _union(
                     source.node.excluded_embed_metadata_keys, added

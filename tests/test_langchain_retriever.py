@@ -169,3 +169,24 @@ async def test_async_matches_sync() -> None:
     await retriever.ainvoke("0", config=session("a"))
     docs = await retriever.ainvoke("1", config=session("a"), k=3)
     assert [d.page_content for d in docs] == [TEXTS[3]]
+
+
+class AllRetriever(BaseRetriever):
+    """Returns every document, and takes no ``k``: langchain-core drops one given to it."""
+
+    documents: list[Document]
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        return self.documents
+
+
+def test_k_holds_for_a_base_retriever_that_takes_none() -> None:
+    base = AllRetriever(documents=[Document(page_content=f"text {i}") for i in range(10)])
+    wrapped = ChunkCacheRetriever(base_retriever=base, cache=ChunkCache(), ordering="retriever")
+    assert [d.page_content for d in wrapped.model_copy(update={"k": 2}).invoke("q")] == [
+        "text 0",
+        "text 1",
+    ]
+    assert len(wrapped.invoke("q")) == 10  # no k: everything
