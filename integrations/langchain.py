@@ -93,10 +93,11 @@ class ChunkCacheRetriever(BaseRetriever):
         conversation_id: str | None = None,
         **kwargs: Any,
     ) -> list[Document]:
+        base_kwargs = self._base_kwargs(kwargs)
         documents = self.base_retriever.invoke(
-            query, config={"callbacks": run_manager.get_child()}, **self._base_kwargs(kwargs)
+            query, config={"callbacks": run_manager.get_child()}, **base_kwargs
         )
-        return self._arrange(documents, conversation_id)
+        return self._arrange(documents[: base_kwargs.get("k")], conversation_id)
 
     async def _aget_relevant_documents(
         self,
@@ -106,18 +107,21 @@ class ChunkCacheRetriever(BaseRetriever):
         conversation_id: str | None = None,
         **kwargs: Any,
     ) -> list[Document]:
+        base_kwargs = self._base_kwargs(kwargs)
         documents = await self.base_retriever.ainvoke(
-            query, config={"callbacks": run_manager.get_child()}, **self._base_kwargs(kwargs)
+            query, config={"callbacks": run_manager.get_child()}, **base_kwargs
         )
-        return self._arrange(documents, conversation_id)
+        return self._arrange(documents[: base_kwargs.get("k")], conversation_id)
 
     def _base_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What the base retriever is asked with: ``k`` (the call's, else ours) and the rest.
+        Its results are cut to that ``k`` too: langchain-core drops a ``k`` the base does not
+        take."""
         if self.k is not None:
             return {"k": self.k, **kwargs}
         return kwargs
 
     def _arrange(self, documents: list[Document], conversation_id: str | None) -> list[Document]:
-        documents = documents[: self.k]  # langchain-core drops a k the base does not take
         plan = plan_retrieval(
             [(doc.page_content, doc.metadata) for doc in documents],
             self.cache,

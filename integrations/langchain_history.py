@@ -33,6 +33,7 @@ window (CRAFT §4.3 drops the earliest turns; their answers carry what they said
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,11 +42,12 @@ from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
-from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
-from langchain_core.runnables.base import RunnableBinding
+from langchain_core.runnables.base import RunnableBindingBase
+from langchain_core.runnables.fallbacks import RunnableWithFallbacks
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
+from chunkcache.core.chat_turns import CHUNK_IDS_KEY, recorded_chunk_ids, trimmed
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 
 __all__ = [
@@ -58,7 +60,6 @@ __all__ = [
 
 DEFAULT_TURN_TEMPLATE = "Context:\n{context}\n\nQuestion: {question}"
 DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
-CHUNK_IDS_KEY = "chunk_ids"  # in a turn's user message's additional_kwargs
 
 
 def format_turn(
@@ -93,7 +94,7 @@ def chunk_chat_prompt(
 
 def with_chunk_history(
     chain: Runnable[dict[str, Any], Any],
-    retriever: BaseRetriever,
+    retriever: Runnable[str, list[Document]],
     get_session_history: Callable[..., BaseChatMessageHistory],
     *,
     question_key: str = "question",
@@ -139,9 +140,14 @@ def with_chunk_history(
         joined = values[0] if len(values) == 1 else json.dumps(values)
         return joined if len(joined) <= 200 else hashlib.sha256(joined.encode()).hexdigest()
 
+    takes_keys = bool(inspect.signature(get_session_history).parameters)
+
     def session_history(config: RunnableConfig) -> BaseChatMessageHistory | None:
-        """The history ``with_history`` will use; None when the config lacks its keys."""
+        """The history ``with_history`` will use (called as it calls the factory); None when
+        the config lacks its keys."""
         configurable = config.get("configurable", {})
+        if not takes_keys:
+            return get_session_history()
         if any(key not in configurable for key in history_keys):
             return None  # RunnableWithMessageHistory reports the missing keys
         if len(history_keys) == 1:
@@ -158,7 +164,7 @@ def with_chunk_history(
         if history is None:
             return
         messages = history.messages
-        kept = _trimmed(messages, max_history_turns)
+        kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
             history.clear()
             history.add_messages(kept)
@@ -169,7 +175,7 @@ def with_chunk_history(
         if history is None:
             return
         messages = await history.aget_messages()
-        kept = _trimmed(messages, max_history_turns)
+        kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
             await history.aclear()
             await history.aadd_messages(kept)
@@ -211,27 +217,22 @@ def with_chunk_history(
 
 
 def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:
-    """``retriever``, or the one inside its bindings (``with_config``, ``bind``), when it is
-    a :class:`ChunkCacheRetriever`: the one whose ledger a turn keeps in sync."""
-    while isinstance(retriever, RunnableBinding):
-        retriever = retriever.bound
-    return retriever if isinstance(retriever, ChunkCacheRetriever) else None
+    """``retriever``, or the one inside its wrappers (``with_config``, ``bind``,
+    ``with_retry``, ``with_fallbacks``), when it is a :class:`ChunkCacheRetriever`: the one
+    whose ledger a turn keeps in sync."""
+    while True:
+        if isinstance(retriever, RunnableBindingBase):
+            retriever = retriever.bound
+        elif isinstance(retriever, RunnableWithFallbacks):
+            retriever = retriever.runnable
+        else:
+            return retriever if isinstance(retriever, ChunkCacheRetriever) else None
 
 
 def chunk_ids_in(messages: Sequence[BaseMessage]) -> list[str]:
     """The chunk ids the turns' user messages in ``messages`` recorded, in order."""
-    return [
-        chunk_id
-        for message in messages
-        if isinstance(message, HumanMessage)
-        for chunk_id in message.additional_kwargs.get(CHUNK_IDS_KEY, ())
-    ]
+    return recorded_chunk_ids(messages, _is_user)
 
 
-def _trimmed(messages: list[BaseMessage], max_turns: int | None) -> list[BaseMessage]:
-    """``messages`` less the oldest turns (a turn starts at a user message) when they
-    hold more than ``max_turns``; then the newest ``(max_turns + 1) // 2`` stay."""
-    starts = [i for i, message in enumerate(messages) if isinstance(message, HumanMessage)]
-    if max_turns is None or len(starts) <= max_turns:
-        return messages
-    return messages[starts[len(starts) - (max_turns + 1) // 2] :]
+def _is_user(message: BaseMessage) -> bool:
+    return isinstance(message, HumanMessage)

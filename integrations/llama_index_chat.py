@@ -31,7 +31,6 @@ trimmed chunks said; re-sending is the cautious choice.)
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -50,6 +49,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.settings import Settings
 
 from chunkcache.core.cache import ChunkCache
+from chunkcache.core.chat_turns import CHUNK_IDS_KEY, recorded_chunk_ids, trimmed
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
@@ -66,10 +66,6 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 DEFAULT_CONTEXT_TEMPLATE = "Context:\n{context_str}\n\nQuestion: {query_str}"
 CHUNK_SEPARATOR = "\n\n"
-# A turn's user message lists its chunk ids under this additional_kwargs key; the
-# same string as integrations/langchain_history.py's (not imported: that module
-# needs langchain).
-CHUNK_IDS_KEY = "chunk_ids"
 
 
 class ChunkCacheChatEngine(BaseChatEngine):
@@ -263,27 +259,14 @@ class ChunkCacheChatEngine(BaseChatEngine):
 
     def _settle(self, history: list[ChatMessage]) -> None:
         """Make ``history``, trimmed, the engine's, and the ledger exactly its chunks."""
-        self._history = _trimmed(history, self._max_history_turns)
-        self._retriever.cache.ledger.replace(self._conversation_id, _chunk_ids_in(self._history))
+        self._history = trimmed(history, self._max_history_turns, _is_user)
+        self._retriever.cache.ledger.replace(
+            self._conversation_id, recorded_chunk_ids(self._history, _is_user)
+        )
 
 
-def _chunk_ids_in(messages: Sequence[ChatMessage]) -> list[str]:
-    """The chunk ids the user messages in ``messages`` recorded, in order."""
-    return [
-        chunk_id
-        for message in messages
-        if message.role == MessageRole.USER
-        for chunk_id in message.additional_kwargs.get(CHUNK_IDS_KEY, ())
-    ]
-
-
-def _trimmed(messages: list[ChatMessage], max_turns: int | None) -> list[ChatMessage]:
-    """``messages`` less the oldest turns (a turn starts at a user message) when they
-    hold more than ``max_turns``; then the newest ``(max_turns + 1) // 2`` stay."""
-    starts = [i for i, message in enumerate(messages) if message.role == MessageRole.USER]
-    if max_turns is None or len(starts) <= max_turns:
-        return messages
-    return messages[starts[len(starts) - (max_turns + 1) // 2] :]
+def _is_user(message: ChatMessage) -> bool:
+    return message.role == MessageRole.USER
 
 
 def _for_llm(message: ChatMessage) -> ChatMessage:

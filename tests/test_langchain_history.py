@@ -232,3 +232,31 @@ def test_a_retriever_bound_with_config_is_kept_in_sync() -> None:
     )
     conversation.ask("0", "3", "0")  # the first turn is trimmed away: its facts come back
     assert facts_in(conversation.prompts[-1]) == TEXTS[:6]
+
+
+def test_a_retriever_with_retries_is_kept_in_sync() -> None:
+    conversation = Conversation(max_history_turns=1)
+    conversation.chain = with_chunk_history(
+        chunk_chat_prompt("Answer.")
+        | RunnableLambda(conversation._record)
+        | FakeListChatModel(responses=["a"] * 5),
+        conversation.retriever.with_retry(),
+        lambda sid: conversation.histories.setdefault(sid, InMemoryChatMessageHistory()),
+        max_history_turns=1,
+    )
+    conversation.ask("0", "3", "0")
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:6]
+
+
+def test_a_history_factory_without_arguments_works() -> None:
+    history = InMemoryChatMessageHistory()
+    conversation = Conversation()
+    conversation.chain = with_chunk_history(
+        chunk_chat_prompt("Answer.")
+        | RunnableLambda(conversation._record)
+        | FakeListChatModel(responses=["a"] * 5),
+        conversation.retriever,
+        lambda: history,
+    )
+    conversation.ask("0", "2")
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:5]

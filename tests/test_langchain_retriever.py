@@ -190,3 +190,10 @@ def test_k_holds_for_a_base_retriever_that_takes_none() -> None:
         "text 1",
     ]
     assert len(wrapped.invoke("q")) == 10  # no k: everything
+
+
+def test_a_per_call_k_wins_over_the_constructors() -> None:
+    base = ListRetriever(documents=[Document(page_content=f"text {i}") for i in range(10)])
+    wrapped = ChunkCacheRetriever(base_retriever=base, cache=ChunkCache(), k=2)
+    assert len(wrapped.invoke("0")) == 2
+    assert len(wrapped.invoke("0", k=5)) == 5
