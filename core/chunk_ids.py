@@ -115,7 +115,8 @@ def chunk_id_of(segment_id: str) -> str:
 
 
 def validate_chunk_id(value: object) -> str:
-    """Check a caller-supplied chunk id (e.g. ``metadata["chunk_id"]``) and return it."""
+    """Check a caller-supplied chunk id (an explicit ``(chunk id, text)`` pair's, a registry
+    key) and return it."""
     if not isinstance(value, str):
         raise InvalidChunkError(f"chunk id must be str, got {type(value).__name__}")
     if not value or len(value) > _MAX_ID_LENGTH or not _VALID_ID.fullmatch(value):

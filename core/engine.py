@@ -74,6 +74,8 @@ from chunkcache.core.store.loading import controlled_ratio
 from chunkcache.core.store.metrics import StoreUsage
 from chunkcache.kernels.kv import SeqKV
 
+MAX_CORRUPT_RERUNS = 64  # a request meeting more corrupt entries than this fails
+
 
 class PromptTooLongError(ChunkCacheError, ValueError):
     """The prompt (plus the tokens to generate) does not fit the model's context window."""
@@ -90,7 +92,8 @@ class TokenSegment:
 
 @dataclass(frozen=True)
 class MatchedPrefix:
-    """The exact prefix :meth:`ChunkEngine._take_prefix` copied into a request's KV."""
+    """The prefix :meth:`ChunkEngine._take_prefix` copied into a request's KV: exact
+    matches of its tokens (a conversation's past may hold approximate KV: ``exact_until``)."""
 
     length: int  # tokens
     exact_until: int  # the first slot whose KV is only approximate (or the prompt length)
@@ -160,15 +163,14 @@ class ChunkEngine:
         started = time.perf_counter()
         run = functools.partial(self._prefill, segments, policy, ratio, conversation_id, reserve)
         # A layer read mid-prefill that fails its checksum raises after the store dropped
-        # its entry, so each rerun has one hit fewer: one run per segment, plus one, ends it.
-        attempts = len(segments) + 1
+        # its entry, so each rerun meets one corrupt entry fewer (a chunk may have many).
         with track_store(self.store) as usage:
-            for attempt in range(attempts):
+            for attempt in range(MAX_CORRUPT_RERUNS + 1):
                 try:
                     prefilled, stored = run(usage)
                     break
                 except CorruptEntryError:
-                    if attempt + 1 == attempts:
+                    if attempt == MAX_CORRUPT_RERUNS:
                         raise
         stats = prefilled.stats
         stats.extra["store"] = usage.as_dict()
@@ -265,7 +267,8 @@ class ChunkEngine:
         return Prefilled(ids, kv, logits, stats, exact_until), stored
 
     def decode(self, prefilled: Prefilled, params: SamplingParams) -> Iterator[int]:
-        """Sample up to ``params.max_tokens`` tokens, extending ``prefilled.kv`` and ``ids``."""
+        """Sample up to ``params.max_tokens`` tokens, extending ``prefilled.kv`` and ``ids``;
+        fewer when the context window fills."""
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         logits = prefilled.logits
         for step in range(params.max_tokens):
@@ -338,10 +341,10 @@ class ChunkEngine:
             variants = [v for v in variants if v.num_tokens == span.num_tokens]
             if not variants:
                 continue
-            same = [v for v in variants if v.context == contexts[i]]
-            variant, cfo = (same or variants)[0], 0.0  # else the most recently used
-            if policy == "cachecraft" and not same:
-                variant, cfo = choose_variant(variants, spans[:i], self.craft)
+            candidates = [v for v in variants if v.context == contexts[i]] or variants
+            variant, cfo = candidates[0], 0.0  # the most recently used
+            if policy == "cachecraft":  # also counts the reuse (f_r) on the variant it picks
+                variant, cfo = choose_variant(candidates, spans[:i], self.craft)
             reused = [slot for slot in range(span.start, span.end) if slot != last_slot]
             placed.append(PlacedChunk(span, variant, cfo, reused))
         return placed

@@ -48,8 +48,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must hold strings, got {self.stop!r}")
+        strings = isinstance(self.stop, tuple | list) and all(isinstance(s, str) for s in self.stop)
+        if not strings:
+            raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
 
 
 def _is_int(value: object) -> bool:

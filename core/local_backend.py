@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -127,20 +126,25 @@ class LocalStream(Iterator[GenerationChunk]):
     def __init__(self, pieces: Generator[GenerationChunk], cancelled: threading.Event) -> None:
         self._pieces = pieces
         self._cancelled = cancelled
+        self._stepping = threading.Lock()  # held while a piece is made
 
     def __next__(self) -> GenerationChunk:
-        return next(self._pieces)
+        with self._stepping:
+            return next(self._pieces)
 
     def cancel(self) -> None:
         """Stop at the request's next engine step; thread-safe, the stream then just ends."""
         self._cancelled.set()
 
     def close(self) -> None:
-        """Stop: on the consuming thread at once (decoding ends at the piece read last); from
-        another thread, while a piece is being made, at the request's next engine step."""
+        """Stop: at once when no piece is being made (decoding ends at the piece read last),
+        else at the request's next engine step; safe from any thread."""
         self._cancelled.set()
-        with contextlib.suppress(ValueError):  # "generator already executing": cancelled
-            self._pieces.close()
+        if self._stepping.acquire(blocking=False):
+            try:
+                self._pieces.close()
+            finally:
+                self._stepping.release()
 
 
 class _Cancelled(Exception):

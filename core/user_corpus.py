@@ -106,7 +106,7 @@ def load_chroma_corpus(
 ) -> list[CorpusChunk]:
     """The documents of a persistent Chroma collection, one chunk each, sorted by Chroma id.
 
-    A chunk's id is ``metadata["chunk_id"]`` if set, else the content hash (as
+    A chunk's id is the content hash, scoped by ``metadata["chunk_id"]`` if set (as
     ``ChunkCacheRetriever`` assigns them); ``source`` is the Chroma id, ``title`` and
     ``topic`` the metadata's ``title`` / ``topic`` (or ``source``) when present.
     Entries without text are skipped with a warning.  Nothing is embedded: pass the

@@ -305,6 +305,8 @@ def test_a_variant_in_its_own_context_is_reused_as_is(lm: LoadedModel) -> None:
     assert out.stats.recomputed_tokens == 0
     assert out.stats.reused_tokens == len(A.ids)
     assert_exact(out.logits, full_logits(lm, request))
+    (variant,) = store.variants(lm.fingerprint, A.segment_id)
+    assert variant.reuse.num_reuses == 1  # counted (f_r), as any reuse: eviction reads it
 
 
 @pytest.mark.parametrize("ratio", [0.2, 1.0])

@@ -32,6 +32,7 @@ from chunkcache.core.sampling import sample_token
         {"seed": "x"},
         {"seed": 1.0},
         {"stop": ("ok", 3)},
+        {"stop": "END"},  # a string is a sequence of one-letter stop strings: refused
     ],
 )
 def test_bad_settings_are_refused_with_a_clear_error(bad: dict[str, Any]) -> None:

@@ -202,6 +202,23 @@ def test_a_corrupt_layer_found_mid_prefill_reruns_the_request_without_it(
     assert store.metrics()["corrupt_dropped"] == len(corrupt)
 
 
+def test_many_corrupt_variants_of_one_chunk_are_each_dropped_and_rerun(
+    lm: LoadedModel, tmp_path: Path
+) -> None:
+    """More corrupt entries than the prompt has segments: one rerun per entry met."""
+    writer = ChunkEngine(lm, TieredKVStore([DiskTier(tmp_path, 10**8)]))
+    for seed in range(5):  # B after five other prefixes: five variants of one chunk
+        writer.prefill([text(random_ids(3, seed=100 + seed)), B, QUESTION], "full")
+    headers = [h for h in tmp_path.rglob("*.json") if not h.name.startswith(".")]
+    for header in headers:
+        if json.loads(header.read_text())["segment_id"] == B.segment_id:
+            flip_in_layer(header.with_suffix(".safetensors"), "v", NUM_LAYERS - 2)
+    store = host_and_disk(tmp_path)
+    out = ChunkEngine(lm, store, layer_loading=True).prefill([SYSTEM, B, QUESTION], "reuse")
+    assert (out.stats.chunk_hits, out.stats.chunk_misses) == (0, 1)
+    assert store.metrics()["corrupt_dropped"] >= 1
+
+
 def test_a_corrupt_layer_raises_before_it_is_handed_out(tmp_path: Path) -> None:
     store = TieredKVStore([MemoryTier("host", 10**6), DiskTier(tmp_path, 10**6)])
     TieredKVStore([DiskTier(tmp_path, 10**6)]).put(FP, make_variant("a", num_tokens=8))

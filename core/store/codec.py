@@ -15,7 +15,9 @@ every path or Redis key is made from those digests.  An entry is two parts:
   a reader may check layer by layer as it reads (:func:`check_layer`), or all at once
   (:func:`decode`).
 
-Format 2 added the per-layer checksums; an entry of any other format fails
+Format 2 added the per-layer checksums; format 3 keys chunks by id and token hash
+(:func:`~chunkcache.core.chunk_ids.chunk_key`), so older entries, keyed by id alone, are
+never looked up again and their directory is removed.  An entry of any other format fails
 :func:`verify_header` (a corrupt entry, dropped, never served).  The disk tier keeps the two
 parts in two files (the header written last, as the commit); the Redis tier keeps them in one
 blob (:func:`pack`).  Nothing here is pickle.
@@ -37,7 +39,7 @@ from torch import Tensor
 from chunkcache.core.craft import CraftMeta
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 class CorruptEntryError(Exception):

@@ -90,7 +90,7 @@ class DiskIndex:
                     header_path.stat().st_size + data_path.stat().st_size
                 )
             except FileNotFoundError:
-                continue  # removed meanwhile, or a header without data: a miss when read
+                continue  # removed meanwhile, or a header without data: corrupt when read
         self._sizes = sizes
         self._bytes = sum(sizes.values())
         self._epoch = _read_epoch(self.root)

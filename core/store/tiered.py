@@ -220,7 +220,8 @@ class TieredKVStore(TieredReads):
 
     def close(self) -> None:
         """Wait for background work, then release the tiers' connections.  Work submitted
-        later (a request still finishing while a server shuts down) runs inline."""
+        later (a request still finishing while a server shuts down) runs inline, on tiers a
+        Redis client may reconnect to."""
         with self._lock:
             self._closed = True
             background = self._background
