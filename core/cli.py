@@ -22,22 +22,10 @@ from chunkcache.core.bench.cli import (
     existing_file,
 )
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
-from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.errors import ChunkCacheError, UsageError
 
 if TYPE_CHECKING:
     from chunkcache.core.store.settings import StoreSettings
-
-# What a user causes (a bad value, file or setting) is told in one line, not a traceback:
-# chunkcache's own errors (ModelLoadError among them), failed validation (pydantic's and a
-# TOML or JSON parser's errors are ValueErrors) and files that cannot be used.
-USER_ERRORS = (
-    ChunkCacheError,
-    ValueError,
-    FileNotFoundError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-)
 
 
 def _models_pull(args: argparse.Namespace) -> None:
@@ -62,7 +50,7 @@ def _warm(args: argparse.Namespace) -> None:
 
     settings = _store_settings(args.config)
     if not settings.disk_bytes and not settings.redis_url:
-        raise ValueError("warm needs a disk or Redis tier to keep what it computes")
+        raise UsageError("warm needs a disk or Redis tier to keep what it computes")
     if args.folder:  # the chunks `bench rag --corpus-dir` / `--chroma` retrieve
         chunks = load_text_folder(args.folder, args.chunk_chars)[: args.max_chunks]
     elif args.chroma:
@@ -93,7 +81,7 @@ def _store_settings(config: Path | None) -> StoreSettings:
     try:
         return StoreSettings.from_file(config)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config}: {error}") from error
+        raise UsageError(f"{config}: {error}") from error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,21 +150,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except USER_ERRORS as error:
+    except Exception as error:
+        if not _caused_by_user(error):
+            raise
         print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _caused_by_user(error: Exception) -> bool:
+    """What a user causes: chunkcache's own errors (ModelLoadError and UsageError among
+    them), settings pydantic refuses, and a file named that cannot be used.  Anything
+    else, a plain ValueError included, is a bug and keeps its traceback."""
+    if isinstance(error, ChunkCacheError):
+        return True
+    if isinstance(error, OSError):
+        return error.filename is not None
+    return _as_validation_error(error) is not None
+
+
+def _as_validation_error(error: Exception) -> Any:
+    """``error`` if it is pydantic's ValidationError (refused settings), else None."""
+    pydantic_core = sys.modules.get("pydantic_core")  # imported if it raised the error
+    is_one = pydantic_core is not None and isinstance(error, pydantic_core.ValidationError)
+    return error if is_one else None
 
 
 def _one_line(error: Exception) -> str:
     """``error``'s message: a pydantic validation error field by field, an OS error with its
     path."""
-    pydantic_core = sys.modules.get("pydantic_core")  # imported if it raised the error
-    if pydantic_core is not None and isinstance(error, pydantic_core.ValidationError):
+    if (invalid := _as_validation_error(error)) is not None:
         fields = (
             f"{'.'.join(map(str, e['loc']))}={e['input']!r}: {e['msg']}"
-            for e in error.errors(include_url=False)
+            for e in invalid.errors(include_url=False)
         )
-        return f"invalid {error.title}: " + "; ".join(fields)
+        return f"invalid {invalid.title}: " + "; ".join(fields)
     if isinstance(error, OSError) and error.filename is not None:
         return f"{error.filename}: {error.strerror}"
     return str(error)

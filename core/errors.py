@@ -13,6 +13,10 @@ class InvalidTextError(ChunkCacheError, ValueError):
     """Prompt text the model cannot read: not valid Unicode (a lone surrogate)."""
 
 
+class UsageError(ChunkCacheError, ValueError):
+    """A command's input cannot be used (a settings file, a combination of options)."""
+
+
 class InvalidConversationIdError(ChunkCacheError, ValueError):
     """A conversation id is empty, too long or not a string."""
 

@@ -139,3 +139,14 @@ def test_bench_serve_warmup_may_be_zero_but_not_negative(
     code, err = run(["bench", "serve", "--warmup", "-1"], capsys)
     assert code == 2
     assert err[-1].endswith("argument --warmup: must be a positive number, got -1")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain ValueError from inside a command is a bug, not a user's mistake."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("not enough values to unpack")
+
+    monkeypatch.setattr("chunkcache.core.bench.engine_bench.run_engine_bench", broken)
+    with pytest.raises(ValueError, match="not enough values"):
+        main(["bench", "engine"])

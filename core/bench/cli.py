@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
+from chunkcache.core.errors import UsageError
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -113,7 +114,7 @@ def _rag(args: argparse.Namespace) -> None:
     if args.quick:
         config = quick(config)
     if config.min_turns > config.max_turns:
-        raise ValueError(
+        raise UsageError(
             f"--min-turns {config.min_turns} is more than --max-turns {config.max_turns}"
         )
     run_rag_bench(config, shlex.join(["chunkcache", *sys.argv[1:]]), log)
