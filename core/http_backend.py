@@ -30,7 +30,7 @@ import httpx
 
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
-from chunkcache.core.json_shapes import json_object, shaped
+from chunkcache.core.json_shapes import completion_events, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
@@ -88,19 +88,7 @@ class HttpBackend:
         stats: GenerationStats | None = None
         with self._request("POST", "/v1/completions", self._body(request)) as response:
             try:
-                for data in _events(response.iter_lines()):
-                    event = json_object(
-                        data,
-                        _COMPLETIONS,
-                        _SERVER,
-                        choices=list | None,
-                        usage=dict | None,
-                        error=dict | None,
-                    )
-                    if event.get("error") is not None:
-                        raise BackendUnavailableError(
-                            f"chunkcache serve failed mid-stream: {event['error'].get('message')}"
-                        )
+                for event in completion_events(response.iter_lines(), _COMPLETIONS, _SERVER):
                     for choice in event.get("choices") or ():
                         text = shaped(choice, _COMPLETIONS, _SERVER, text=str | None).get("text")
                         if text:
@@ -210,17 +198,6 @@ def _retry_after_s(header: str) -> float:
             return _DEFAULT_RETRY_AFTER_S
         seconds = (when.replace(tzinfo=when.tzinfo or UTC) - datetime.now(UTC)).total_seconds()
     return max(0.0, seconds) if math.isfinite(seconds) else _DEFAULT_RETRY_AFTER_S
-
-
-def _events(lines: Iterator[str]) -> Iterator[str]:
-    """The payloads of an SSE stream's ``data:`` lines, up to ``[DONE]``."""
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield data
 
 
 def _stats(usage: Mapping[str, Any]) -> GenerationStats:

@@ -8,12 +8,15 @@ is a :class:`BackendUnavailableError` naming the server and the endpoint, never 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from types import UnionType
 from typing import Any
 
 from chunkcache.core.errors import BackendUnavailableError
 
-__all__ = ["clip", "json_object", "shaped"]
+__all__ = ["clip", "completion_events", "json_object", "shaped"]
+
+SSE_FIELDS = frozenset({"data", "event", "id", "retry"})
 
 
 def json_object(
@@ -45,6 +48,41 @@ def shaped(
                 f"{server} answered {where} with a missing or malformed {key!r}: {clip(value)}"
             )
     return value
+
+
+def completion_events(lines: Iterable[str], where: str, server: str) -> Iterator[dict[str, Any]]:
+    """The events of an OpenAI completion stream (server-sent events), up to
+    ``data: [DONE]``: each a JSON object whose ``choices``, ``usage`` and ``error`` have
+    their types.  A line that is not SSE, an ``error`` event, or a stream that ends before
+    ``[DONE]`` (a cut-off answer) is a :class:`BackendUnavailableError`."""
+    count = 0
+    for line in lines:
+        field, _, value = line.partition(":")
+        if not field:  # a blank line ends an event; a leading colon is a comment
+            continue
+        if field not in SSE_FIELDS:
+            raise BackendUnavailableError(
+                f"{server} answered {where} with something other than server-sent "
+                f"events: {line[:200]!r}"
+            )
+        if field != "data":
+            continue
+        data = value.strip()
+        if data == "[DONE]":
+            return
+        event = json_object(
+            data, where, server, choices=list | None, usage=dict | None, error=dict | None
+        )
+        if (error := event.get("error")) is not None:
+            raise BackendUnavailableError(
+                f"{server} failed mid-stream: {error.get('message') or clip(error)}"
+            )
+        count += 1
+        yield event
+    raise BackendUnavailableError(
+        f"{server} ended the {where} stream without data: [DONE], after {count} "
+        "event(s): the answer is cut off"
+    )
 
 
 def clip(value: Any) -> str:

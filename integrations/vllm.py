@@ -30,13 +30,12 @@ import httpx
 
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
-from chunkcache.core.json_shapes import clip, json_object, shaped
+from chunkcache.core.json_shapes import completion_events, shaped
 from chunkcache.core.tokenization import render_chat
 
 __all__ = ["VllmBackend"]
 
 _COMPLETIONS = "POST /v1/completions"
-_SSE_FIELDS = frozenset({"data", "event", "id", "retry"})
 
 
 class VllmBackend:
@@ -108,7 +107,7 @@ class VllmBackend:
                         f"{self._server} answered {_COMPLETIONS} with {response.status_code}: "
                         f"{response.text[:500]}"
                     )
-                for event in _events(response.iter_lines(), self._server):
+                for event in completion_events(response.iter_lines(), _COMPLETIONS, self._server):
                     for item in event.get("choices") or ():
                         choice = shaped(
                             item,
@@ -159,38 +158,6 @@ class VllmBackend:
         if params.seed is not None:
             body["seed"] = params.seed
         return body
-
-
-def _events(lines: Iterator[str], server: str) -> Iterator[dict[str, Any]]:
-    """The completion events of a server-sent event stream, up to ``data: [DONE]``; a line
-    that is not SSE, an event that is not a completion or an error, or a stream that ends
-    before ``[DONE]`` is a :class:`BackendUnavailableError`."""
-    count = 0
-    for line in lines:
-        field, _, value = line.partition(":")
-        if not field:  # a blank line ends an event; a leading colon is a comment
-            continue
-        if field not in _SSE_FIELDS:
-            raise BackendUnavailableError(
-                f"{server} answered {_COMPLETIONS} with something other than server-sent "
-                f"events: {line[:200]!r}"
-            )
-        if field != "data":
-            continue
-        data = value.strip()
-        if data == "[DONE]":
-            return
-        event = json_object(
-            data, _COMPLETIONS, server, choices=list | None, usage=dict | None, error=dict | None
-        )
-        if event.get("error") is not None:
-            raise BackendUnavailableError(f"{server} failed mid-stream: {clip(event['error'])}")
-        count += 1
-        yield event
-    raise BackendUnavailableError(
-        f"{server} ended the {_COMPLETIONS} stream without data: [DONE], after {count} "
-        "event(s): the answer is cut off"
-    )
 
 
 def _fill_usage(stats: GenerationStats, usage: Any, server: str) -> None:

@@ -207,6 +207,7 @@ _HELLO = '{"choices": [{"index": 0, "text": "Hello"}]}'
         ),
         ("/v1/models", JSONResponse({"data": []}), "models with no model"),
         ("/v1/models", JSONResponse({"data": [{"name": "m"}]}), "models with .*'id'"),
+        ("/v1/completions", HTMLResponse("<html>login</html>"), "completions with something other"),
         ("/v1/completions", _sse(_HELLO, '{"choices": [tru'), "completions with non-JSON"),
         ("/v1/completions", _sse(_HELLO, "[1, 2]"), "completions with .*not a JSON object"),
         ("/v1/completions", _sse('{"choices": ["Hello"]}'), "completions with .*not a JSON"),
