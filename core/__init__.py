@@ -11,6 +11,7 @@ from chunkcache.core.errors import (
     InvalidChunkError,
     InvalidConversationIdError,
     InvalidTextError,
+    PromptTooLongError,
 )
 from chunkcache.core.ledger import ConversationLedger
 from chunkcache.core.metrics import prefix_metric, total_metric
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidConversationIdError",
     "InvalidTextError",
     "PrefixNode",
+    "PromptTooLongError",
     "chunk_id",
     "default_cache",
     "normalize_text",

@@ -37,6 +37,7 @@ from chunkcache.core.batch_scheduler import Scheduler
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.generation import GenerationRequest
 from chunkcache.core.kv_store import KVStore
+from chunkcache.core.local_backend import fit_to_window
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import load_model
 from chunkcache.core.store.hooks import prefetch
@@ -97,10 +98,12 @@ class BatchingBackend:
         """Queue ``request``; iterate the returned handle for its text, close it to cancel.
 
         Raises :class:`QueueFullError` (with a retry-after estimate) when ``max_queue``
-        requests wait already, :class:`ShuttingDownError` once :meth:`shutdown` began.
+        requests wait already, :class:`ShuttingDownError` once :meth:`shutdown` began,
+        :class:`PromptTooLongError` when a ``fit_window`` prompt leaves no room to generate.
         """
         self._scheduler.check_open()  # refuse before tokenizing when we can
         segments = self.segment_tokenizer(request.segments)
+        request = fit_to_window(request, segments, self.context_window)
         lm = self.engine.lm
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
         prefetch(self.engine.store, lm.fingerprint, chunk_ids)  # RAG-DCache §III.B

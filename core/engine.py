@@ -55,7 +55,7 @@ from chunkcache.core.chunk_placing import placing
 from chunkcache.core.craft import CraftConfig, CraftMeta
 from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
 from chunkcache.core.craft_probe import Span
-from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
 from chunkcache.core.kv_store import (
     ROOT_CONTEXT,
@@ -75,10 +75,6 @@ from chunkcache.core.store.metrics import StoreUsage
 from chunkcache.kernels.kv import SeqKV
 
 MAX_CORRUPT_RERUNS = 64  # a request meeting more corrupt entries than this fails
-
-
-class PromptTooLongError(ChunkCacheError, ValueError):
-    """The prompt (plus the tokens to generate) does not fit the model's context window."""
 
 
 @dataclass(frozen=True)

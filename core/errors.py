@@ -13,6 +13,10 @@ class InvalidTextError(ChunkCacheError, ValueError):
     """Prompt text the model cannot read: not valid Unicode (a lone surrogate)."""
 
 
+class PromptTooLongError(ChunkCacheError, ValueError):
+    """The prompt (plus the tokens to generate) does not fit the model's context window."""
+
+
 class UsageError(ChunkCacheError, ValueError):
     """A command's input cannot be used (a settings file, a combination of options)."""
 

@@ -31,17 +31,28 @@ def check_policy(policy: str) -> Policy:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings. ``temperature == 0`` is greedy."""
+    """Decoding settings. ``temperature == 0`` is greedy.
+
+    ``fit_window``: generate up to ``max_tokens`` or up to the room the prompt leaves in the
+    model's context window, whichever is less, as OpenAI does for a request that sets no
+    limit.  The backend that tokenizes the prompt applies it (local, batching; the ``http``
+    backend has its server apply it; the ``vllm`` backend sends ``max_tokens`` as it is, as
+    vLLM has no such option); a prompt that fills the window is refused either way.  Without
+    it, a prompt plus ``max_tokens`` over the window is refused.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    fit_window: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.fit_window, bool):
+            raise ValueError(f"fit_window must be a bool, got {self.fit_window!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:

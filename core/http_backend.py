@@ -13,7 +13,8 @@ Errors: the server unreachable, timing out, failing or answering something other
 the JSON it should -> :class:`BackendUnavailableError`; a 429 -> :class:`QueueFullError`
 (with the server's Retry-After, seconds or a date); a 503 -> :class:`ShuttingDownError`;
 a 400, 404 or 413 -> ValueError with the server's message; a ``base_url`` that is not an
-http(s) URL -> ValueError when the backend is made.
+http(s) URL with a host -> ValueError when the backend is made
+(:func:`~chunkcache.core.urls.server_root`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from chunkcache.core.errors import BackendUnavailableError, QueueFullError, Shut
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
 from chunkcache.core.json_shapes import completion_events, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
+from chunkcache.core.urls import server_root
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
 _DEFAULT_RETRY_AFTER_S = 1.0
@@ -50,10 +52,7 @@ class HttpBackend:
         model: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
-        root = base_url.rstrip("/")
-        root = root.removesuffix("/v1")
-        if not root.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http(s) url, got {base_url!r}")
+        root = server_root(base_url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = root
         self._model = model
@@ -124,6 +123,8 @@ class HttpBackend:
                 "policy": request.policy,
                 "recompute_ratio": request.recompute_ratio,
                 "conversation_id": request.conversation_id,
+                # sent only when set: a server older than the option refuses the key
+                **({"fit_window": True} if params.fit_window else {}),
             },
         }
 

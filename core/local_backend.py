@@ -6,12 +6,14 @@ import threading
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.engine import ChunkEngine, TokenSegment
+from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
@@ -66,7 +68,7 @@ class LocalBackend:
     ) -> Generator[GenerationChunk]:
         started = time.perf_counter()
         segments = self.segment_tokenizer(request.segments)
-        params = request.sampling
+        params = fit_to_window(request, segments, self.context_window).sampling
         # Start moving this request's chunks up to host memory while it waits for the engine.
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
         prefetch(self.engine.store, self.engine.lm.fingerprint, chunk_ids)
@@ -118,6 +120,25 @@ class LocalBackend:
             yield
         finally:
             self._lock.release()
+
+
+def fit_to_window(
+    request: GenerationRequest, segments: Sequence[TokenSegment], context_window: int
+) -> GenerationRequest:
+    """``request`` as the engine runs it, ``segments`` being its prompt's tokens: with
+    ``sampling.fit_window``, its ``max_tokens`` cut to the room they leave in the context
+    window, a :class:`PromptTooLongError` when they leave none; else ``request`` itself."""
+    if not request.sampling.fit_window:
+        return request
+    prompt_tokens = sum(len(segment.ids) for segment in segments)
+    room = context_window - prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"{prompt_tokens} prompt tokens leave no room to generate in the model's "
+            f"context window of {context_window}"
+        )
+    sampling = replace(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
+    return replace(request, sampling=sampling)
 
 
 class LocalStream(Iterator[GenerationChunk]):

@@ -69,11 +69,13 @@ def build_request(
     top_p: float = 1.0,
     stop: Sequence[str] | None = None,
     seed: int | None = None,
+    fit_window: bool = False,
 ) -> GenerationRequest:
     """The request for ``prompt``: its chunks found by exact text, and how to decode.
 
     ``chunks`` are (chunk id, text) pairs the caller knows are in the prompt, in
-    addition to the texts registered in ``cache``.
+    addition to the texts registered in ``cache``.  ``fit_window``: ``max_tokens`` is cut
+    to the room the prompt leaves in the context window (see :class:`SamplingParams`).
 
     >>> cache = ChunkCache()
     >>> cache.registry.register("c1", "The quick brown fox jumps over the lazy dog.")
@@ -90,7 +92,12 @@ def build_request(
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop strings must be non-empty str, got {stops!r}")
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=stops,
+        seed=seed,
+        fit_window=fit_window,
     )
     return GenerationRequest(
         segments=segment_prompt(prompt, cache.matcher, chunks),

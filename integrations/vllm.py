@@ -10,7 +10,8 @@ cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
 The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
 cached tokens (and ``--enable-prefix-caching`` to have any).
 
-Errors: a ``base_url`` that is not an http(s) URL -> ValueError when the backend is made;
+Errors: a ``base_url`` that is not an http(s) URL with a host -> ValueError when the backend
+is made (:func:`~chunkcache.core.urls.server_root`);
 the server unreachable, timing out or failing, or answering anything but a complete event
 stream of completion events (ending in ``data: [DONE]``, with the usage asked for) ->
 :class:`BackendUnavailableError` naming the server and the endpoint.
@@ -32,6 +33,7 @@ from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
 from chunkcache.core.json_shapes import completion_events, shaped
 from chunkcache.core.tokenization import render_chat
+from chunkcache.core.urls import server_root
 
 __all__ = ["VllmBackend"]
 
@@ -42,8 +44,8 @@ class VllmBackend:
     """Runs requests on a vLLM server; vLLM's prefix cache does the reuse.
 
     Args:
-        base_url: the server, an http(s) URL such as ``http://127.0.0.1:8000`` (``/v1`` is
-            added).
+        base_url: the server, an http(s) URL with a host such as ``http://127.0.0.1:8000``
+            (``/v1`` optional).
         model: the model name the server serves (``--served-model-name``).
         api_key: sent as a bearer token when the server wants one (``--api-key``).
         timeout_s: how long one request may take, end to end.
@@ -67,7 +69,7 @@ class VllmBackend:
             raise ValueError("model must name the model the vLLM server serves")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.base_url = _root_url(base_url)
+        self.base_url = server_root(base_url)
         self.model_name = model
         self._server = f"vLLM at {self.base_url}"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -178,19 +180,6 @@ def _fill_usage(stats: GenerationStats, usage: Any, server: str) -> None:
     stats.reused_tokens = details.get("cached_tokens") or 0
     stats.computed_tokens = stats.prompt_tokens - stats.reused_tokens
     stats.extra["cached_tokens_reported"] = "cached_tokens" in details
-
-
-def _root_url(base_url: str) -> str:
-    """``base_url`` without a trailing ``/`` or ``/v1``; a ValueError unless it is an http(s)
-    URL with a host."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    try:
-        url = httpx.URL(root)
-    except httpx.InvalidURL as e:
-        raise ValueError(f"base_url {base_url!r} is not a valid URL: {e}") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"base_url must be an http(s) URL with a host, got {base_url!r}")
-    return root
 
 
 def _local_tokenizer(model: str) -> Any:

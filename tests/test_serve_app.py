@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 from fake_backend import FakeBackend
@@ -11,10 +11,11 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from chunkcache.core.chunk_ids import chunk_id
-from chunkcache.core.engine import PromptTooLongError, TokenSegment
-from chunkcache.core.errors import BackendUnavailableError, QueueFullError
+from chunkcache.core.engine import TokenSegment
+from chunkcache.core.errors import BackendUnavailableError, PromptTooLongError, QueueFullError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
-from chunkcache.core.segmenter import ChunkSegment, Segment
+from chunkcache.core.local_backend import fit_to_window
+from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.core.serve import ServeSettings, create_app
 
 CHUNK = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -208,15 +209,17 @@ def test_malformed_json_and_unknown_model(client: TestClient) -> None:
 
 
 class TokenizingBackend(FakeBackend):
-    """A fake that tokenizes like the engine's backends: one token a word, as its stats count."""
+    """A fake that applies ``fit_window`` as the engine's backends do (one token a word, as
+    its stats count); ``requests`` holds the requests as they would run."""
 
     context_window = 300
 
-    def segment_tokenizer(self, segments: Sequence[Segment]) -> list[TokenSegment]:
-        return [
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        tokens = [
             TokenSegment(str(i), tuple(range(len(s.text.split()))), isinstance(s, ChunkSegment))
-            for i, s in enumerate(segments)
+            for i, s in enumerate(request.segments)
         ]
+        return super().stream(fit_to_window(request, tokens, self.context_window))
 
 
 @pytest.mark.parametrize(
@@ -227,10 +230,11 @@ class TokenizingBackend(FakeBackend):
         (299, {}, 1),
         (100, {"max_tokens": 250}, 250),  # a limit given is kept; the engine refuses it
         (100, {"max_completion_tokens": 250}, 250),
+        (100, {"max_tokens": 250, "chunkcache": {"fit_window": True}}, 200),  # asked to fit
     ],
 )
 def test_default_max_tokens_fits_the_context_window(
-    words: int, limit: dict[str, int], max_tokens: int
+    words: int, limit: dict[str, object], max_tokens: int
 ) -> None:
     backend = TokenizingBackend()
     with TestClient(create_app(backend)) as client:
@@ -314,10 +318,9 @@ def test_backend_refusals_map_to_status_codes() -> None:
             "service_unavailable",
         )
     with TestClient(create_app(RaisingBackend(PromptTooLongError("4000 tokens > 2048")))) as client:
-        assert error_of(client.post("/v1/chat/completions", json=chat())) == (
-            400,
-            "invalid_request_error",
-        )
+        response = client.post("/v1/chat/completions", json=chat())
+        assert error_of(response) == (400, "invalid_request_error")
+        assert response.json()["error"]["code"] == "prompt_too_long"
     with TestClient(
         create_app(RaisingBackend(RuntimeError("boom"))), raise_server_exceptions=False
     ) as client:

@@ -3,9 +3,11 @@
 =========================================  ======  ====================================
 failure                                    status  error type (code)
 =========================================  ======  ====================================
-bad body, prompt too long, bad policy,     400     invalid_request_error
-max_tokens over the limit, empty messages,
-a bad seed, text with a lone surrogate
+bad body, bad policy, max_tokens over the  400     invalid_request_error
+limit, empty messages, a bad seed, text
+with a lone surrogate
+prompt (plus max_tokens) over the context  400     invalid_request_error (prompt_too_long)
+window, or leaving no room to generate
 missing or wrong API key                   401     authentication_error (invalid_api_key)
 another model than the one served          404     invalid_request_error (model_not_found)
 body larger than ``max_body_bytes``        413     invalid_request_error (body_too_large)
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse
 from chunkcache.core.errors import (
     BackendUnavailableError,
     ChunkCacheError,
+    PromptTooLongError,
     QueueFullError,
     ShuttingDownError,
 )
@@ -71,7 +74,9 @@ def serve_error(error: BaseException) -> ServeError:
     if isinstance(error, BackendUnavailableError):
         log.error("chunkcache serve: the engine failed", exc_info=error)
         return ServeError(503, str(error), "service_unavailable", "backend_unavailable")
-    # PromptTooLongError, InvalidChunkError, bad policy or sampling values: the caller's input.
+    if isinstance(error, PromptTooLongError):
+        return ServeError(400, str(error), code="prompt_too_long")
+    # InvalidChunkError, bad policy or sampling values: the caller's input.
     if isinstance(error, ChunkCacheError | ValueError | TypeError):
         return ServeError(400, str(error))
     log.error("chunkcache serve: request failed", exc_info=error)

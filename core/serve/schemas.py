@@ -63,6 +63,7 @@ class ChunkCacheOptions(BaseModel):
     policy: Policy | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     conversation_id: str | None = None
+    fit_window: bool = False  # max_tokens is a cap, cut to the room the prompt leaves
 
 
 class StreamOptions(BaseModel):

@@ -9,7 +9,6 @@ live gauges for ``/metrics``.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from chunkcache.core.cache import ChunkCache
@@ -48,7 +47,9 @@ class ServeState:
     def request_for(self, body: GenerationBody, prompt: str) -> EngineRequest:
         """The engine request for ``body`` and its prompt text; ServeError when over a limit.
 
-        A body with no max_tokens gets the default, cut to what the context window leaves."""
+        A body with no max_tokens gets the default with ``fit_window``: the backend, which
+        tokenizes the prompt anyway, cuts it to the room the prompt leaves in the context
+        window (as OpenAI does), and refuses a prompt that leaves none."""
         limits = self.settings
         if body.model != self.model_name:
             raise ServeError(
@@ -72,7 +73,7 @@ class ServeState:
             )
         options = body.chunkcache
         chunks = [c.pair() for c in options.chunks] if options.chunks is not None else None
-        request = build_request(
+        return build_request(
             prompt,
             self.cache if options.match_registered else self.unregistered,
             chunks=chunks,
@@ -88,29 +89,8 @@ class ServeState:
             top_p=body.top_p,
             stop=body.stops(),
             seed=body.seed,
+            fit_window=max_tokens is None or options.fit_window,
         )
-        return request if max_tokens is not None else self._fit_window(request)
-
-    def _fit_window(self, request: EngineRequest) -> EngineRequest:
-        """``request`` with its (default) max_tokens cut to the room its prompt leaves in the
-        context window, as OpenAI does for a request that sets no limit; a 400 when there is
-        none.  Counted with the backend's own segment tokenizer, so exactly what it prefills;
-        a backend without one (or without a ``context_window``) gets ``request`` unchanged."""
-        tokenize = getattr(self.backend, "segment_tokenizer", None)
-        window = getattr(self.backend, "context_window", None)
-        if tokenize is None or window is None:
-            return request
-        prompt_tokens = sum(len(segment.ids) for segment in tokenize(request.segments))
-        room = window - prompt_tokens
-        if room < 1:
-            raise ServeError(
-                400,
-                f"{prompt_tokens} prompt tokens leave no room to generate in the model's "
-                f"context window of {window}",
-                code="prompt_too_long",
-            )
-        sampling = replace(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
-        return replace(request, sampling=sampling)
 
     def gauges(self) -> dict[str, Any]:
         """Live values for /metrics: in-flight requests, the backend's and store's metrics."""

@@ -1,0 +1,31 @@
+"""The ``base_url`` of a remote server, checked once for every HTTP client (``chunkcache serve``,
+vLLM): an http(s) URL with a host, given with or without its ``/v1``.
+
+>>> server_root("http://127.0.0.1:8000/v1/")
+'http://127.0.0.1:8000'
+"""
+
+from __future__ import annotations
+
+import httpx
+
+__all__ = ["server_root"]
+
+
+def server_root(base_url: str) -> str:
+    """``base_url`` without a trailing ``/`` or ``/v1``; a ValueError naming it unless it is an
+    http(s) URL with a host (``http:///v1``, ``ftp://host``, ``localhost:8000`` and ``""`` are
+    refused), a TypeError when it is not a string."""
+    if not isinstance(base_url, str):
+        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        url = httpx.URL(root)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"base_url {base_url!r} is not a valid URL: {e}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(
+            f"base_url must be an http(s) URL with a host, like 'http://127.0.0.1:8000', "
+            f"got {base_url!r}"
+        )
+    return root
