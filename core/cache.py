@@ -10,7 +10,9 @@ and an LLM cooperate unwired.
 When the backend's engine store drops a chunk's last cached variant, the prefix
 tree forgets every prefix through that chunk, so the tree only promises prefixes
 whose KV can still be there (RAGCache §5.1 keeps its knowledge tree in step the
-same way).
+same way).  A chunk id has one store key per text sent under it
+(:func:`~chunkcache.core.chunk_ids.chunk_key`): its prefixes stay while the store
+holds any of them.
 """
 
 from __future__ import annotations
@@ -152,14 +154,16 @@ class ChunkCache:
         """Keep the prefix tree in step with the store of an in-process engine, if any."""
         store = getattr(getattr(backend, "engine", None), "store", None)
         listeners = getattr(store, "drop_listeners", None)
-        if store is None or not isinstance(listeners, list):
+        contains_chunk = getattr(store, "contains_chunk", None)
+        if not isinstance(listeners, list) or contains_chunk is None:
             return
 
         def dropped(fingerprint: str, segment_id: str, context: str) -> None:
-            if store.contains_segment(fingerprint, segment_id):
-                return  # another variant of the chunk is still cached
+            chunk_id = chunk_id_of(segment_id)
+            if contains_chunk(fingerprint, chunk_id):
+                return  # another variant of the chunk (any of its texts) is still cached
             with self._lock:
-                self.prefix_tree.remove_chunk(chunk_id_of(segment_id))
+                self.prefix_tree.remove_chunk(chunk_id)
 
         listeners.append(dropped)
 

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.craft import MIN_CFO_FOR_REUSE_COUNT, CraftMeta
 
 
@@ -124,6 +125,8 @@ class MemoryKVStore:
         self._entries: OrderedDict[tuple[str, str, str], KVVariant] = OrderedDict()
         # Each segment's contexts, least recently used first (as in _entries).
         self._by_segment: dict[tuple[str, str], dict[str, None]] = {}
+        # (fingerprint, chunk id) -> the segment ids of that chunk held (chunk_ids.chunk_key).
+        self._by_chunk: dict[tuple[str, str], set[str]] = {}
         self._lock = threading.Lock()
         # Called as listener(fingerprint, segment_id, context) after a variant is evicted.
         self.drop_listeners: list[Callable[[str, str, str], None]] = []
@@ -140,6 +143,7 @@ class MemoryKVStore:
             self._drop(key)
             self._entries[key] = variant
             self._by_segment.setdefault(key[:2], {})[variant.context] = None
+            self._by_chunk.setdefault((fingerprint, chunk_id_of(key[1])), set()).add(key[1])
             self.num_bytes += variant.num_bytes
             while self.num_bytes > self.capacity_bytes:
                 evicted.append(next(iter(self._entries)))
@@ -171,6 +175,12 @@ class MemoryKVStore:
         with self._lock:
             return (fingerprint, segment_id) in self._by_segment
 
+    def contains_chunk(self, fingerprint: str, chunk_id: str) -> bool:
+        """Whether any variant of any segment of ``chunk_id`` (a
+        :func:`~chunkcache.core.chunk_ids.chunk_key` per text sent under it) is held."""
+        with self._lock:
+            return (fingerprint, chunk_id) in self._by_chunk
+
     def _touch(self, key: tuple[str, str, str]) -> None:
         self._entries.move_to_end(key)
         contexts = self._by_segment[key[:2]]
@@ -185,3 +195,7 @@ class MemoryKVStore:
         del contexts[key[2]]
         if not contexts:
             del self._by_segment[key[:2]]
+            segments = self._by_chunk[(key[0], chunk_id_of(key[1]))]
+            segments.discard(key[1])
+            if not segments:
+                del self._by_chunk[(key[0], chunk_id_of(key[1]))]

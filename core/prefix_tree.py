@@ -8,8 +8,9 @@ a request once that chunk reaches the threshold.  Any path's sub-prefix is
 usable on its own (prefix slicing).  Nodes carry a ``kv`` slot the KV store
 fills with where the prefix's KV lives; evicting that KV removes the node and
 everything below it, since a longer prefix's KV needs its parent's.  When the KV
-store drops a chunk's last variant, :meth:`ChunkPrefixTree.remove_chunk` removes
-every prefix through that chunk (``ChunkCache`` wires this to the store).
+store drops a chunk's last variant (of every text sent under its id),
+:meth:`ChunkPrefixTree.remove_chunk` removes every prefix through that chunk
+(``ChunkCache`` wires this to the store).
 
 The tree is bounded: beyond ``max_nodes`` the least recently used leaves go first.
 """

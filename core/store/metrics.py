@@ -25,6 +25,7 @@ TIER_COUNTERS = (
     "load_seconds",
     "bytes_loaded",
     "errors",
+    "backfilled",
 )
 STORE_COUNTERS = ("lookups", "hits", "misses", "puts")
 

@@ -25,11 +25,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``redis-server`` (which must be installed): its url and process."""
+def redis_server(
+    folder: Path, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``redis-server`` (which must be installed) on ``port`` (default: a free one):
+    its url and process.  A server started again on a stopped one's port is the same url."""
     if REDIS_SERVER is None:
         raise FileNotFoundError("redis-server is not installed (Debian package redis-server)")
-    port = free_port()
+    port = free_port() if port is None else port
     args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     args += ["--appendonly", "no", "--dir", str(folder)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -12,7 +12,8 @@ layer by layer as on disk: a round trip per layer would cost more than it hides.
 
 Redis going away never fails a request: the first connection error logs one warning and
 marks the tier down; every call then misses at once, and after ``retry_after_s`` one call
-probes the server again.
+probes the server again.  The first call the server answers after that tells
+``up_listeners`` (the tiered store then writes what it could not write meanwhile).
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class RedisTier:
         self._remove = self._client.register_script(_REMOVE)
         self._down_since: float | None = None
         self._lock = threading.Lock()
+        # called (no arguments, in the calling thread) when the server answers after being down
+        self.up_listeners: list[Callable[[], None]] = []
         self._guard(self._client.ping, False)
 
     @property
@@ -224,9 +227,12 @@ class RedisTier:
             log.warning("Redis tier %s: %s", self.name, error)
             return default
         with self._lock:
-            if self._down_since is not None:
-                log.warning("Redis tier %s is back", self.name)
-                self._down_since = None
+            back = self._down_since is not None
+            self._down_since = None
+        if back:
+            log.warning("Redis tier %s is back", self.name)
+            for listener in self.up_listeners:
+                listener()
         return result
 
 

@@ -19,8 +19,9 @@ layer would cost more than it hides.  Every count is in :meth:`TieredKVStore.met
 request's counts come from :meth:`TieredKVStore.track`.
 
 The store's parts: :mod:`.tiered_reads` (whole and lazy reads, prefetch, failures as
-misses), :mod:`.tiered_moves` (insert, promote, demote, drop, write-through) and
-:mod:`.tiered_stats` (the per-entry statistics the policies read).
+misses), :mod:`.tiered_moves` (insert, promote, demote, drop, write-through, and the
+backfill of a shared tier that was down, :mod:`.backfill`) and :mod:`.tiered_stats` (the
+per-entry statistics the policies read).
 
 Example::
 
@@ -31,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +41,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.store.backfill import PendingWrites
 from chunkcache.core.store.codec import EntryKey, entry_key, namespace_of
 from chunkcache.core.store.codec import segment_of as segment_hash
 from chunkcache.core.store.cost import PrefillCostModel
@@ -62,6 +65,8 @@ class TieredKVStore(TieredReads):
     ``write_through`` also writes every new variant to the lower tiers (disk, Redis) on a
     background thread, so other processes and the next start see it without waiting for an
     eviction (RAG-DCache keeps chunk KV on disk); a later eviction then just drops the copy.
+    A write-through Redis missed while down is made once it answers again, if a local tier
+    still holds the entry.
     """
 
     def __init__(
@@ -86,6 +91,13 @@ class TieredKVStore(TieredReads):
         self._lock = threading.RLock()
         self._background: ThreadPoolExecutor | None = None
         self._closed = False
+        self._pending = {}
+        self._backfill_queued = set()
+        for i, tier in enumerate(self.tiers):  # shared tiers that say when they are back
+            up_listeners = getattr(tier, "up_listeners", None)
+            if isinstance(up_listeners, list):
+                self._pending[i] = PendingWrites()
+                up_listeners.append(functools.partial(self._queue_backfill, i))
 
     # -- KVStore ---------------------------------------------------------------------------
 
@@ -177,6 +189,14 @@ class TieredKVStore(TieredReads):
         ns, seg = namespace_of(fingerprint), segment_hash(segment_id)
         return any(tier.segment_keys(ns, seg) for tier in self.tiers)
 
+    def contains_chunk(self, fingerprint: str, chunk_id: str) -> bool:
+        """Whether any tier holds a variant of any segment of ``chunk_id`` (a
+        :func:`~chunkcache.core.chunk_ids.chunk_key` per text sent under that id) that this
+        store wrote or read; entries only another process wrote are not known here."""
+        with self._lock:
+            segment_ids = self._segments_of_chunk(fingerprint, chunk_id)
+        return any(self.contains_segment(fingerprint, s) for s in segment_ids)
+
     def flush(self) -> None:
         """Wait until every background write and prefetch submitted so far is done."""
         self._submit(lambda: None).result()
@@ -185,14 +205,19 @@ class TieredKVStore(TieredReads):
         """Counters and gauges: ``{"policy", "lookups", "hits", "misses", "puts",
         "corrupt_dropped", "tiers": {name: {capacity_bytes, bytes, entries, hits, misses,
         evictions, demotions, promotions, prefetched, corrupt_dropped, load_seconds,
-        bytes_loaded}}}``."""
+        bytes_loaded, errors, backfilled}}}``; Redis also has ``up``, ``backfill_pending``
+        (write-throughs missed while down, still to make) and ``backfill_forgotten``."""
         out = self._metrics.snapshot()
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             counts = out["tiers"][tier.name]
             counts.update(capacity_bytes=tier.capacity_bytes, bytes=tier.num_bytes)
             counts["entries"] = len(tier)
             if hasattr(tier, "up"):
                 counts["up"] = tier.up
+            if i in self._pending:
+                with self._lock:
+                    counts["backfill_pending"] = len(self._pending[i])
+                    counts["backfill_forgotten"] = self._pending[i].num_forgotten
         out["corrupt_dropped"] = sum(c["corrupt_dropped"] for c in out["tiers"].values())
         out["policy"] = self.policy_name
         return out

@@ -5,22 +5,29 @@ the lower copy stays; a tier that must make room asks its policy for a victim, w
 one tier down unless a lower tier already holds a copy (RAGCache §5.1: swap out only once,
 multi-level eviction); leaving the last tier drops it for good and tells the drop listeners.
 Write-through copies a new variant to every lower tier (RAG-DCache §III).  A failing tier is
-counted (``errors``) and skipped, never a failed request.
+counted (``errors``) and skipped, never a failed request.  A write-through a shared tier
+(Redis) skipped while down is remembered (:class:`~chunkcache.core.store.backfill.PendingWrites`)
+and made once the tier answers again, from the local tier that still holds the entry.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from chunkcache.core.kv_store import KVVariant
-from chunkcache.core.store.codec import EntryKey
+from chunkcache.core.store.backfill import PendingWrites
+from chunkcache.core.store.codec import CorruptEntryError, EntryKey
 from chunkcache.core.store.metrics import StoreMetrics
 from chunkcache.core.store.tier import Evicted, Loader, Tier, Victim
 from chunkcache.core.store.tiered_stats import TieredStats
 
 log = logging.getLogger("chunkcache.core.store.tiered")
+T = TypeVar("T")
 
 
 class TieredMoves(TieredStats):
@@ -30,6 +37,10 @@ class TieredMoves(TieredStats):
     _metrics: StoreMetrics
     _io_warned: set[str]
     _lock: threading.RLock
+    _pending: dict[int, PendingWrites]  # shared tier index -> writes it missed while down
+    _backfill_queued: set[int]
+    _closed: bool
+    _submit: Callable[..., Future[Any]]
 
     def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
         """Copy a new variant to every lower tier, holding the store lock only while a tier
@@ -38,7 +49,9 @@ class TieredMoves(TieredStats):
             if key in tier:
                 continue
             if getattr(tier, "self_evicting", False):  # needs no policy: no lock either
-                tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+                placed = tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+                if not placed and i in self._pending and not getattr(tier, "up", True):
+                    self._skipped(i, key, fingerprint)
                 continue
             prepare = getattr(tier, "prepare", None)
             try:
@@ -57,6 +70,50 @@ class TieredMoves(TieredStats):
                         self.policies[i].touched(key, self._stats_of(key))
                 elif prepare is None:
                     self._insert(i, key, fingerprint, variant, fall_through=False)
+
+    def _skipped(self, i: int, key: EntryKey, fingerprint: str) -> None:
+        """Shared tier ``i`` was down for the write of ``key``: write it once it is back."""
+        with self._lock:
+            self._pending[i].add(key, fingerprint)
+        if getattr(self.tiers[i], "up", True):  # came back before ``key`` was remembered
+            self._queue_backfill(i)
+
+    def _queue_backfill(self, i: int) -> None:
+        """Shared tier ``i`` answers again: backfill it on the background thread (once)."""
+        with self._lock:
+            if self._closed or i in self._backfill_queued or not self._pending[i]:
+                return
+            self._backfill_queued.add(i)
+        self._submit(self._backfill, i)
+
+    def _backfill(self, i: int) -> int:
+        """Write to shared tier ``i`` the entries it missed while down that a local tier still
+        holds, oldest first, until it fails again; the number written."""
+        tier, written = self.tiers[i], 0
+        with self._lock:
+            self._backfill_queued.discard(i)
+            missed = self._pending[i].oldest_first()
+        for key, fingerprint in missed:
+            variant = self._local_copy(key, fingerprint)  # None: evicted locally meanwhile
+            if (
+                variant is not None
+                and key not in tier  # another client may have written it meanwhile
+                and tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+            ):
+                self._metrics.tier(tier.name, "backfilled")
+                written += 1
+            if not getattr(tier, "up", True):  # down again: the rest waits for the next time
+                break
+            with self._lock:
+                self._pending[i].discard(key)
+        return written
+
+    def _local_copy(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        """``key``'s variant from the fastest local tier holding it, read whole."""
+        for tier in self.tiers:
+            if not getattr(tier, "self_evicting", False) and key in tier:
+                return self._guarded(tier, functools.partial(tier.get, key, fingerprint))
+        return None
 
     def _promote(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> KVVariant:
         """Copy up to the fastest tier; the lower copy stays (swap out only once)."""
@@ -109,12 +166,24 @@ class TieredMoves(TieredStats):
 
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
-        stats = self.stats.pop(key, None)
-        for policy in self.policies:
-            policy.forget(key)
+        stats = self._forget_stats(key)
         if stats is not None and stats.names is not None:
             for listener in self.drop_listeners:
                 listener(*stats.names)
+
+    def _guarded(self, tier: Tier, read: Callable[[], T]) -> T | None:
+        """``read()`` from ``tier``; a corrupt entry or a failing tier is a miss."""
+        try:
+            return read()
+        except CorruptEntryError as error:
+            self._corrupt(tier, error)
+        except OSError as error:  # a failing disk is a miss, never a failed request
+            self._io_error(tier, error)
+        return None
+
+    def _corrupt(self, tier: Tier, error: CorruptEntryError) -> None:
+        log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
+        self._metrics.tier(tier.name, "corrupt_dropped")
 
     def _io_error(self, tier: Tier, error: OSError) -> None:
         """Count an I/O failure of ``tier``; the first one is logged as a warning."""

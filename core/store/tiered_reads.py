@@ -14,21 +14,15 @@ engine's one rerun of the request does not meet the same failure in another entr
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.store import codec
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey, namespace_of
 from chunkcache.core.store.codec import segment_of as segment_hash
 from chunkcache.core.store.lazy import LayerReadError, LazyEvents, LazyKVVariant
-from chunkcache.core.store.tier import Tier
 from chunkcache.core.store.tiered_moves import TieredMoves
 
-log = logging.getLogger("chunkcache.core.store.tiered")
-T = TypeVar("T")
 WHOLE_AFTER_IO_ERROR_S = 30.0  # a tier that failed a lazy read is read whole this long
 
 
@@ -86,20 +80,6 @@ class TieredReads(TieredMoves):
                 tier.remove(key)
 
         return LazyEvents(read, complete, failed)
-
-    def _guarded(self, tier: Tier, read: Callable[[], T]) -> T | None:
-        """``read()`` from ``tier``; a corrupt entry or a failing tier is a miss."""
-        try:
-            return read()
-        except CorruptEntryError as error:
-            self._corrupt(tier, error)
-        except OSError as error:  # a failing disk is a miss, never a failed request
-            self._io_error(tier, error)
-        return None
-
-    def _corrupt(self, tier: Tier, error: CorruptEntryError) -> None:
-        log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
-        self._metrics.tier(tier.name, "corrupt_dropped")
 
     def _hit(
         self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, count: bool = True

@@ -4,10 +4,15 @@ One :class:`~chunkcache.core.store.policies.EntryStats` per entry the store know
 tier holds it: last use, frequency, size, PGDSF's measured cost (RAGCache §5.1) and the one
 live reuse counter a copy loaded from below shares (Cache-Craft §3.3).  Statistics of
 entries no local tier holds any more are pruned once they outnumber the entries.
+
+The statistics also index the segment ids of each chunk id
+(:func:`~chunkcache.core.chunk_ids.chunk_id_of`: one chunk id has a segment per text it was
+sent with), so :meth:`TieredKVStore.contains_chunk` can tell whether any of them is held.
 """
 
 from __future__ import annotations
 
+from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.kv_store import KVVariant, ReuseCount
 from chunkcache.core.store.codec import EntryKey
 from chunkcache.core.store.cost import PrefillCostModel
@@ -26,12 +31,35 @@ class TieredStats:
     stats: dict[EntryKey, EntryStats]
     _tick: int
     _stats_limit: int
+    # (fingerprint, chunk id) -> {segment id: how many entries in ``stats`` name it}
+    _chunk_segments: dict[tuple[str, str], dict[str, int]]
 
     def _init_stats(self) -> None:
         """No statistics yet."""
         self.stats = {}
         self._tick = 0
         self._stats_limit = STATS_SLACK
+        self._chunk_segments = {}
+
+    def _segments_of_chunk(self, fingerprint: str, chunk_id: str) -> list[str]:
+        """Segment ids of ``chunk_id`` that entries the store knows of were stored under."""
+        return list(self._chunk_segments.get((fingerprint, chunk_id), ()))
+
+    def _forget_stats(self, key: EntryKey) -> EntryStats | None:
+        """Drop the statistics of ``key`` (no tier holds it, or none we track)."""
+        stats = self.stats.pop(key, None)
+        for policy in self.policies:
+            policy.forget(key)
+        if stats is not None and stats.names is not None:
+            fingerprint, segment_id, _ = stats.names
+            chunk = (fingerprint, chunk_id_of(segment_id))
+            segments = self._chunk_segments[chunk]
+            segments[segment_id] -= 1
+            if not segments[segment_id]:
+                del segments[segment_id]
+                if not segments:
+                    del self._chunk_segments[chunk]
+        return stats
 
     def _prune_stats(self) -> None:
         """Forget statistics of entries no local tier holds (Redis and other processes
@@ -42,9 +70,7 @@ class TieredStats:
             if entry_keys is not None and not getattr(tier, "self_evicting", False):
                 local.update(entry_keys())
         for key in [k for k in self.stats if k not in local]:
-            del self.stats[key]
-            for policy in self.policies:
-                policy.forget(key)
+            self._forget_stats(key)
         self._stats_limit = 2 * len(self.stats) + STATS_SLACK
 
     def _stats_of(self, key: EntryKey) -> EntryStats:
@@ -64,6 +90,11 @@ class TieredStats:
     ) -> EntryStats:
         self._tick += 1
         stats = self._stats_of(key)
+        if stats.names is None:  # a key's names never change: index them once
+            segments = self._chunk_segments.setdefault(
+                (fingerprint, chunk_id_of(variant.segment_id)), {}
+            )
+            segments[variant.segment_id] = segments.get(variant.segment_id, 0) + 1
         stats.names = (fingerprint, variant.segment_id, variant.context)
         stats.num_bytes, stats.num_tokens = variant.num_bytes, variant.num_tokens
         stats.last_used = self._tick
