@@ -44,6 +44,7 @@ _CHROMA_PAGE = 1000
 __all__ = [
     "UserCorpusError",
     "UserQuestion",
+    "chroma_database",
     "load_chroma_corpus",
     "load_questions",
     "load_text_folder",
@@ -114,9 +115,7 @@ def load_chroma_corpus(
     without ``chroma.sqlite3`` is refused before Chroma opens it (it would make an
     empty database there).
     """
-    root = _existing(persist_dir, "Chroma directory")
-    if not (root / "chroma.sqlite3").is_file():
-        raise UserCorpusError(f"Chroma directory {root} has no database (chroma.sqlite3)")
+    root = chroma_database(persist_dir)
     import chromadb
     from chromadb.config import Settings
     from chromadb.errors import NotFoundError
@@ -152,6 +151,15 @@ def load_chroma_corpus(
     if not chunks:
         raise UserCorpusError(f"collection {collection_name!r} in {root} has no documents")
     return sorted(chunks, key=lambda chunk: chunk.source)
+
+
+def chroma_database(persist_dir: str | os.PathLike[str]) -> Path:
+    """``persist_dir`` if it holds a Chroma database (``chroma.sqlite3``), else
+    :class:`UserCorpusError`; a cheap check, made before anything slow loads."""
+    root = _existing(persist_dir, "Chroma directory")
+    if not (root / "chroma.sqlite3").is_file():
+        raise UserCorpusError(f"Chroma directory {root} has no database (chroma.sqlite3)")
+    return root
 
 
 def load_questions(path: str | os.PathLike[str]) -> list[UserQuestion]:

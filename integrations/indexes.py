@@ -8,10 +8,14 @@ is no such file).  A changed corpus has a new digest, hence a new directory.
 
 Every file is checked when it is opened: the embeddings must be the chunks'
 unit vectors, and each index must hold exactly those vectors (Chroma must also
-find them by query).  A missing file is built; a damaged one is logged as a
-warning and rebuilt.  Chroma is rebuilt in a fresh directory that
+find them by query, and its HNSW segment files must agree with their header:
+:func:`~.chroma_files.check_hnsw_files`, run before Chroma loads them, since a
+damaged ``link_lists.bin`` can crash it).  A missing file is built; a damaged one
+is logged as a warning and rebuilt.  Chroma is rebuilt in a fresh directory that
 ``chroma.current`` is switched to once it passes the same check, so a build cut
-short is never used.
+short is never used.  A process holds a shared lock on ``<dir>.lock`` while it
+builds or uses a Chroma directory; opening the index removes every other
+``chroma-*`` directory that no process holds (those of killed builds).
 
 >>> retriever = langchain_corpus_retriever("faiss", k=3)
 >>> [doc.metadata["topic"] for doc in retriever.invoke("serialize an object to JSON")][0]
@@ -31,6 +35,7 @@ import shutil
 import sqlite3
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -39,6 +44,7 @@ import numpy as np
 
 from chunkcache.core.corpus import CorpusChunk, corpus_digest, load_corpus
 from chunkcache.core.paths import home_subdir
+from chunkcache.integrations.chroma_files import check_hnsw_files, hold, lock_path, remove_unheld
 from chunkcache.integrations.embeddings import EMBEDDING_DIM, embed_texts
 
 if TYPE_CHECKING:
@@ -139,6 +145,8 @@ class _CorpusIndexes:
         self._embeddings: np.ndarray | None = None
         self._faiss: faiss.Index | None = None
         self._chroma: tuple[Client, Collection] | None = None
+        self._held: Path | None = None  # the Chroma directory whose lock this holds
+        self._release: weakref.finalize[[int], _CorpusIndexes] | None = None  # closes that lock
 
     @functools.cached_property
     def chunks_by_id(self) -> dict[str, CorpusChunk]:
@@ -179,7 +187,9 @@ class _CorpusIndexes:
                 if self._chroma is None:
                     if current is not None:  # damaged: never opened again
                         shutil.rmtree(current, ignore_errors=True)
+                        lock_path(current).unlink(missing_ok=True)
                     self._chroma = self._build_chroma(vectors)
+                self._remove_unused_chroma()
             return self._chroma
 
     def search(self, query: str, store: Store, k: int) -> list[tuple[CorpusChunk, float]]:
@@ -236,11 +246,17 @@ class _CorpusIndexes:
         return None
 
     def _open_chroma(self, path: Path, vectors: np.ndarray) -> tuple[Client, Collection] | None:
-        """The client and collection at ``path`` if they pass the check; ``None`` if damaged."""
+        """The client and collection at ``path`` if they pass the check; ``None`` if damaged.
+
+        Holds ``path``'s lock from here on, so no other process removes it."""
         from chromadb.errors import ChromaError
 
+        self._hold(path)
         client = None
         try:
+            if not path.is_dir():  # removed between reading chroma.current and the lock
+                raise ValueError("it is gone")
+            check_hnsw_files(path, EMBEDDING_DIM)  # before Chroma loads them
             client = _chroma_client(path)
             collection = client.get_collection(COLLECTION_NAME, embedding_function=None)
             self._check_collection(collection, vectors)
@@ -248,14 +264,22 @@ class _CorpusIndexes:
             logger.warning("rebuilding damaged Chroma index %s: %s", path, error)
             if client is not None:
                 client.close()
+            self._hold(None)
             return None
         return client, collection
 
     def _build_chroma(self, vectors: np.ndarray) -> tuple[Client, Collection]:
-        """Fill and check a collection in a fresh directory, then point ``chroma.current`` at it."""
-        path = Path(tempfile.mkdtemp(prefix="chroma-", dir=self.directory))
+        """Fill and check a collection in a fresh directory, then point ``chroma.current`` at it.
+
+        The directory's lock is held before the directory exists, so no other process
+        ever takes it for a leftover."""
+        handle, lock = tempfile.mkstemp(prefix="chroma-", suffix=".lock", dir=self.directory)
+        os.close(handle)
+        path = Path(lock.removesuffix(".lock"))
+        self._hold(path)
         client = None
         try:
+            path.mkdir()
             client = _chroma_client(path)
             collection = client.create_collection(
                 COLLECTION_NAME,
@@ -270,8 +294,26 @@ class _CorpusIndexes:
             if client is not None:
                 client.close()
             shutil.rmtree(path, ignore_errors=True)
+            Path(lock).unlink(missing_ok=True)
+            self._hold(None)
             raise
         return client, collection
+
+    def _hold(self, chroma_dir: Path | None) -> None:
+        """Hold ``chroma_dir``'s lock (shared) instead of the one held so far; ``None``: none."""
+        if self._release is not None:
+            self._release()
+        fd = None if chroma_dir is None else hold(lock_path(chroma_dir))
+        self._release = None if fd is None else weakref.finalize(self, os.close, fd)
+        self._held = chroma_dir
+
+    def _remove_unused_chroma(self) -> None:
+        """Remove the ``chroma-*`` directories that neither ``chroma.current`` names nor any
+        process holds: those of builds that were killed or lost to a concurrent one."""
+        keep = {self._current_chroma_path(), self._held}
+        for path in self.directory.glob("chroma-*"):
+            if path.is_dir() and path not in keep and remove_unheld(path):
+                logger.info("removed unused Chroma directory %s", path)
 
     def _fill(self, collection: Collection, vectors: np.ndarray, batch_size: int) -> None:
         """Add every chunk with its row of ``vectors``, ``batch_size`` at a time."""

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
-from chunkcache.core.errors import UsageError
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -62,6 +61,13 @@ def _existing(text: str, check: Callable[[Path], bool], what: str) -> Path:
     return path
 
 
+def _file_stem(text: str) -> str:
+    """An argparse ``type``: a file name without a folder (a report's name)."""
+    if text in ("", ".", "..") or Path(text).name != text or "\\" in text:
+        raise argparse.ArgumentTypeError(f"must be a file name without a folder, got {text!r}")
+    return text
+
+
 def _system_name(text: str) -> str:
     """An argparse ``type``: a ``bench rag`` system, or a policy (its systems in every app)."""
     from chunkcache.core.bench.rag_bench import select_systems
@@ -91,7 +97,7 @@ def _engine(args: argparse.Namespace) -> None:
 
 def _rag(args: argparse.Namespace) -> None:
     from chunkcache.core.bench.rag_bench import log
-    from chunkcache.core.bench.rag_run import RagBenchConfig, quick, run_rag_bench
+    from chunkcache.core.bench.rag_run import RagBenchConfig, check_config, quick, run_rag_bench
 
     config = RagBenchConfig(
         conversations=args.conversations,
@@ -113,10 +119,7 @@ def _rag(args: argparse.Namespace) -> None:
     )
     if args.quick:
         config = quick(config)
-    if config.min_turns > config.max_turns:
-        raise UsageError(
-            f"--min-turns {config.min_turns} is more than --max-turns {config.max_turns}"
-        )
+    check_config(config)  # before run_rag_bench loads anything
     run_rag_bench(config, shlex.join(["chunkcache", *sys.argv[1:]]), log)
     print((config.out / f"{config.name}.md").read_text())
 
@@ -223,7 +226,7 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument("--chroma", nargs=2, metavar=("DIR", "COLLECTION"), help="or Chroma")
     rag.add_argument("--questions", type=existing_file, help="your questions (text or JSON lines)")
     rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
-    rag.add_argument("--name", default="rag", help="report file stem")
+    rag.add_argument("--name", type=_file_stem, default="rag", help="report file stem")
     rag.set_defaults(run=_rag)
 
 

@@ -19,11 +19,14 @@ from chunkcache.core.bench.rag_quality import RagQualityScorer, quality_figures,
 from chunkcache.core.bench.rag_workload import (
     Workload,
     corpus_workload,
+    gold_chunks_needed,
     gold_workload,
     user_workload,
 )
 from chunkcache.core.bench.report import environment
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS
+from chunkcache.core.errors import UsageError
+from chunkcache.core.user_corpus import chroma_database
 from chunkcache.core.vllm_server import VllmServerSlot, vllm_installed, vllm_venv
 
 
@@ -70,14 +73,45 @@ def quick(config: RagBenchConfig) -> RagBenchConfig:
     )
 
 
+def check_config(config: RagBenchConfig) -> None:
+    """Raise :class:`UsageError` (or ``UserCorpusError``) for a mistake in ``config``'s
+    options, in a moment and before anything loads; the data itself is read by
+    :func:`workloads`, which ``run_rag_bench`` calls before it loads a model."""
+    if config.min_turns > config.max_turns:
+        raise UsageError(
+            f"--min-turns {config.min_turns} is more than --max-turns {config.max_turns}"
+        )
+    if config.corpus_dir is not None and config.chroma is not None:
+        raise UsageError("give one corpus of your own: --corpus-dir or --chroma, not both")
+    own_corpus = (
+        "--corpus-dir" if config.corpus_dir is not None else "--chroma" if config.chroma else None
+    )
+    if own_corpus is not None and config.questions is None:
+        raise UsageError(f"{own_corpus} needs your questions: add --questions FILE")
+    if config.questions is not None and own_corpus is None:
+        raise UsageError("--questions needs your corpus: add --corpus-dir DIR or --chroma DIR NAME")
+    if config.chroma is not None:
+        chroma_database(config.chroma[0])
+    needed = gold_chunks_needed(config.gold_questions, config.seed)
+    if config.k < needed:
+        raise UsageError(
+            f"--k {config.k} is fewer than the {needed} chunks some gold questions need: "
+            f"use --k {needed} or more, or --gold-questions 0"
+        )
+    if config.out.exists() and not config.out.is_dir():
+        raise UsageError(f"--out {config.out} is a file, not a folder for the reports")
+
+
 def workloads(config: RagBenchConfig) -> list[Workload]:
-    """The user's corpus if given, else the bundled corpus; and the gold workload."""
+    """The user's corpus if given, else the bundled corpus; and the gold workload.
+
+    Checks ``config`` first (:func:`check_config`); a corpus or questions file that cannot
+    be used raises ``UserCorpusError``."""
+    check_config(config)
     if config.questions is not None:
         main = user_workload(
             config.questions, config.k, config.corpus_dir, config.chroma, config.chunk_chars
         )
-    elif config.corpus_dir is not None or config.chroma is not None:
-        raise ValueError("a corpus of your own needs a questions file (--questions)")
     else:
         main = corpus_workload(
             config.conversations,
@@ -87,19 +121,25 @@ def workloads(config: RagBenchConfig) -> list[Workload]:
             config.seed,
             config.chunk_chars,
         )
-    gold = [gold_workload(config.gold_questions, config.k, config.seed)]
-    return [main, *(gold if config.gold_questions > 0 else [])]
+    if config.gold_questions == 0:
+        return [main]
+    return [main, gold_workload(config.gold_questions, config.k, config.seed)]
 
 
 def run_rag_bench(
     config: RagBenchConfig, command: str, progress: Progress | None = None
 ) -> dict[str, Any]:
-    """Replay every workload on every system; write ``<name>.json``, ``.md`` and plots."""
+    """Replay every workload on every system; write ``<name>.json``, ``.md`` and plots.
+
+    The options, the user's corpus and questions and the report folder are checked
+    before a model loads."""
     import torch
 
     from chunkcache.core.bench.rag_report import markdown, plot
     from chunkcache.core.models import load_model
 
+    chosen = workloads(config)
+    config.out.mkdir(parents=True, exist_ok=True)
     systems = select_systems(config.systems)
     env = environment(("torch", "transformers", "langchain-core", "chromadb"))
     lm = load_model(dtype=torch.bfloat16)
@@ -116,7 +156,6 @@ def run_rag_bench(
         "skipped": skipped_systems(),
         "workloads": {},
     }
-    chosen = workloads(config)
     runs: dict[str, dict[str, Any]] = {workload.name: {} for workload in chosen}
     # System by system, so a vLLM server starts once for all workloads (and once for
     # the two prefix-caching systems), not once per workload and system.
@@ -141,7 +180,6 @@ def run_rag_bench(
         report["workloads"][workload.name] = workload_figures(
             workload, systems, runs[workload.name], config
         )
-    config.out.mkdir(parents=True, exist_ok=True)
     (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     report["plots"] = plot(report, config.out, config.name)
     (config.out / f"{config.name}.md").write_text(markdown(report))

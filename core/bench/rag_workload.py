@@ -90,6 +90,13 @@ def corpus_workload(
     )
 
 
+def gold_chunks_needed(questions: int, seed: int) -> int:
+    """The most gold chunks one of the first ``questions`` gold questions needs: the
+    smallest ``k`` the gold workload runs with (0 without questions)."""
+    chosen = make_gold_workload(GoldConfig(seed=seed)).questions[:questions]
+    return max((len(q.chunk_ids) for q in chosen), default=0)
+
+
 def gold_workload(questions: int, k: int, seed: int) -> Workload:
     """Fictional facts: ``questions`` single-turn questions with gold answers."""
     world = make_gold_workload(GoldConfig(seed=seed))
