@@ -1,13 +1,25 @@
 """Framework-neutral retriever step: ids, collapse, dedupe, order, register.
 
-Both framework wrappers turn their documents/nodes into ``(text, metadata)``
-pairs, call :func:`plan_retrieval`, and build their results from the plan.
+Both framework wrappers call their base retriever inside :func:`retrieval_scope`,
+turn its documents/nodes into ``(text, metadata)`` pairs, call :func:`plan_retrieval`,
+and build their results from the plan.
+
+One request is planned once per cache.  When wrappers on one cache are chained (a
+library wraps a retriever the app already wrapped, or a wrapped retriever sits inside
+another retriever that is wrapped again), the outermost plans: it counts the request
+in the access table, dedupes it against the conversation and orders it.  Every wrapper
+nested inside it returns its base's results untouched (:func:`plan_retrieval` returns
+None for it), so a request is neither counted twice nor dropped as "already sent" by
+the wrapper that sent it.  The outermost wrapper's ordering and dedupe mode apply, and
+its conversation id, or when it has none the first one a nested wrapper was given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +54,33 @@ class RetrievalPlan:
     prefix_length: int
 
 
+class RetrievalScope:
+    """A wrapper's call to its base retriever, on ``cache``, for ``conversation_id``."""
+
+    def __init__(self, cache: ChunkCache, conversation_id: str | None) -> None:
+        self.cache = cache
+        self.conversation_id = conversation_id
+
+
+# The scopes open in this thread or task, outermost first.
+_open_scopes: ContextVar[tuple[RetrievalScope, ...]] = ContextVar(
+    "chunkcache_retrieval_scopes", default=()
+)
+
+
+@contextmanager
+def retrieval_scope(cache: ChunkCache, conversation_id: str | None) -> Iterator[RetrievalScope]:
+    """Open while a wrapper calls its base retriever: wrappers on ``cache`` reached from
+    inside leave the planning to this one.  After it closes, ``scope.conversation_id``
+    is the conversation to plan for (the wrapper's, else a nested wrapper's)."""
+    scope = RetrievalScope(cache, conversation_id)
+    token = _open_scopes.set((*_open_scopes.get(), scope))
+    try:
+        yield scope
+    finally:
+        _open_scopes.reset(token)
+
+
 def conversation_id_from(configurable: Mapping[str, Any] | None) -> str | None:
     """The first of ``conversation_id``, ``session_id``, ``thread_id`` that is set."""
     for key in CONVERSATION_CONFIG_KEYS:
@@ -58,12 +97,21 @@ def plan_retrieval(
     conversation_id: str | None,
     ordering: Ordering,
     dedupe: DedupeMode,
-) -> RetrievalPlan:
+) -> RetrievalPlan | None:
     """Plan what a wrapped retriever returns for ``documents`` (text, metadata) in rank order.
 
     Empty or whitespace-only documents carry nothing for a prompt and are left
     out (logged).  Documents sharing a chunk id collapse to the best-ranked one.
+
+    None, and nothing recorded, inside a :func:`retrieval_scope` on ``cache``: the
+    wrapper that opened it plans the request, so the caller returns ``documents``
+    as they are (see the module docstring).
     """
+    outer = next((s for s in _open_scopes.get() if s.cache is cache), None)
+    if outer is not None:
+        if outer.conversation_id is None:
+            outer.conversation_id = conversation_id
+        return None
     first_index: dict[str, int] = {}
     num_empty = 0
     for index, (text, metadata) in enumerate(documents):

@@ -4,9 +4,13 @@
 caller names) in the prompt by exact text, in time linear in the prompt, so it works
 with any template.  The rules:
 
-- The prompt is matched in NFC, the form chunk ids are computed on; the segments
-  concatenate to ``normalize_text(prompt)``, which is the prompt itself unless the
-  prompt was not NFC.  A chunk segment's text is its chunk's NFC text.
+- The prompt is matched in NFC, the form chunk ids are computed on, but the app's own
+  text reaches the model as the app wrote it: text segments are slices of the prompt as
+  given.  A chunk segment's text is its chunk's NFC text (what its KV was computed on),
+  so the segments concatenate to the prompt itself, except that a chunk written in
+  another normalization form comes back in NFC.  A match that would cut a combining
+  sequence of a non-NFC prompt (e.g. end between a letter and its accent) is left as
+  text.
 - Leftmost-longest, non-overlapping: of two overlapping matches the one starting
   first is kept, the longer on a tie.  The other chunk's text stays plain text and is
   simply computed.  A chunk present twice gives two segments with the same id.
@@ -23,7 +27,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from chunkcache.core.chunk_ids import normalize_text, validate_chunk_id
+from chunkcache.core.chunk_ids import validate_chunk_id
+from chunkcache.core.nfc_map import OffsetMap, nfc_with_changes
 from chunkcache.core.registry import ChunkRegistry
 from chunkcache.core.text_matcher import DEFAULT_MIN_LENGTH, TextIndex
 
@@ -117,19 +122,23 @@ def segment_prompt(
     >>> segment_prompt(f"Q: {chunk}", None, [("c1", chunk)])[1]
     ChunkSegment(chunk_id='c1', text='Paris is the capital of France, on the Seine.')
     """
-    text = normalize_text(prompt)
+    text, changes = nfc_with_changes(prompt)
     index = _index_of(source)
     if explicit_chunks is not None:
         index = index.updated(removed=(), added=_checked_pairs(explicit_chunks))
+    to_prompt = OffsetMap(changes)
     segments: list[Segment] = []
-    position = 0
+    position = 0  # in the prompt as given
     for match in index.find(text):
-        if match.start > position:
-            segments.append(TextSegment(text[position : match.start]))
+        start, end = to_prompt.offset(match.start), to_prompt.offset(match.end)
+        if start is None or end is None:
+            continue  # the match would cut a combining sequence: leave it as text
+        if start > position:
+            segments.append(TextSegment(prompt[position:start]))
         segments.append(ChunkSegment(match.chunk_id, text[match.start : match.end]))
-        position = match.end
-    if position < len(text):
-        segments.append(TextSegment(text[position:]))
+        position = end
+    if position < len(prompt):
+        segments.append(TextSegment(prompt[position:]))
     return segments
 
 

@@ -29,7 +29,12 @@ from pydantic import ConfigDict, Field
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
-from chunkcache.core.retrieval import RetrievalPlan, conversation_id_from, plan_retrieval
+from chunkcache.core.retrieval import (
+    RetrievalPlan,
+    conversation_id_from,
+    plan_retrieval,
+    retrieval_scope,
+)
 from chunkcache.integrations.langchain_llm import ChunkCacheLLM
 
 __all__ = ["ChunkCacheLLM", "ChunkCacheRetriever", "conversation_id_from_config"]
@@ -61,6 +66,10 @@ class ChunkCacheRetriever(BaseRetriever):
     The conversation id comes from ``config["configurable"]`` (``conversation_id``,
     ``session_id`` or ``thread_id``) or a ``conversation_id=`` keyword; without
     one, nothing is deduped.
+
+    Wrapping a retriever that already is (or contains) a wrapper on the same cache is
+    safe: the outermost wrapper plans each request once, the inner ones pass their
+    base's documents through (see :mod:`chunkcache.core.retrieval`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -94,10 +103,11 @@ class ChunkCacheRetriever(BaseRetriever):
         **kwargs: Any,
     ) -> list[Document]:
         base_kwargs = self._base_kwargs(kwargs)
-        documents = self.base_retriever.invoke(
-            query, config={"callbacks": run_manager.get_child()}, **base_kwargs
-        )
-        return self._arrange(documents[: base_kwargs.get("k")], conversation_id)
+        with retrieval_scope(self.cache, conversation_id) as scope:
+            documents = self.base_retriever.invoke(
+                query, config={"callbacks": run_manager.get_child()}, **base_kwargs
+            )
+        return self._arrange(documents[: base_kwargs.get("k")], scope.conversation_id)
 
     async def _aget_relevant_documents(
         self,
@@ -108,10 +118,11 @@ class ChunkCacheRetriever(BaseRetriever):
         **kwargs: Any,
     ) -> list[Document]:
         base_kwargs = self._base_kwargs(kwargs)
-        documents = await self.base_retriever.ainvoke(
-            query, config={"callbacks": run_manager.get_child()}, **base_kwargs
-        )
-        return self._arrange(documents[: base_kwargs.get("k")], conversation_id)
+        with retrieval_scope(self.cache, conversation_id) as scope:
+            documents = await self.base_retriever.ainvoke(
+                query, config={"callbacks": run_manager.get_child()}, **base_kwargs
+            )
+        return self._arrange(documents[: base_kwargs.get("k")], scope.conversation_id)
 
     def _base_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """What the base retriever is asked with: ``k`` (the call's, else ours) and the rest.
@@ -129,6 +140,8 @@ class ChunkCacheRetriever(BaseRetriever):
             ordering=self.ordering,
             dedupe=self.dedupe,
         )
+        if plan is None:  # an outer wrapper on this cache plans the request
+            return documents
         return _documents_from_plan(documents, plan, mark_seen=self.dedupe == "mark")
 
 

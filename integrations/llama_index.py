@@ -45,7 +45,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode, check_conversation_id, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering
-from chunkcache.core.retrieval import plan_retrieval
+from chunkcache.core.retrieval import plan_retrieval, retrieval_scope
 from chunkcache.integrations.llama_index_fields import (
     CacheField,
     ConversationIdField,
@@ -68,7 +68,9 @@ def plan_nodes(
 
     Ids are computed on the node's bare content (``MetadataMode.NONE``), the text
     the LLM side looks for in prompts.  Nodes sharing a chunk id collapse to the
-    best-ranked one; empty nodes are left out; scores are kept.
+    best-ranked one; empty nodes are left out; scores are kept.  Called while a
+    wrapper on ``cache`` retrieves (nested in it), it returns ``nodes`` as they are:
+    that wrapper plans the request.
     """
     plan = plan_retrieval(
         [(n.node.get_content(metadata_mode=MetadataMode.NONE), n.node.metadata) for n in nodes],
@@ -77,6 +79,8 @@ def plan_nodes(
         ordering=ordering,
         dedupe=dedupe,
     )
+    if plan is None:  # an outer wrapper on this cache plans the request
+        return list(nodes)
     planned = []
     for chunk in plan.chunks:
         source = nodes[chunk.source_index]
@@ -116,6 +120,11 @@ class ChunkCacheRetriever(BaseRetriever):
         conversation_id: the conversation to dedupe against; LlamaIndex passes
             no session to retrievers, so bind one here or with
             :meth:`for_conversation`.  Without one nothing is deduped.
+
+    Wrapping a retriever that already is (or contains) a wrapper on the same cache is
+    safe: the outermost wrapper plans each request once (with its own conversation id,
+    else the inner one's), the inner ones pass their base's nodes through (see
+    :mod:`chunkcache.core.retrieval`).
 
     >>> retriever = ChunkCacheRetriever(base, ordering="frequency")  # doctest: +SKIP
     >>> retriever.for_conversation("user-42").retrieve("What is json.dumps?")  # doctest: +SKIP
@@ -165,16 +174,20 @@ class ChunkCacheRetriever(BaseRetriever):
         return bound
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return self._plan(self._base_retriever.retrieve(query_bundle))
+        with retrieval_scope(self._cache, self._conversation_id) as scope:
+            nodes = self._base_retriever.retrieve(query_bundle)
+        return self._plan(nodes, scope.conversation_id)
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return self._plan(await self._base_retriever.aretrieve(query_bundle))
+        with retrieval_scope(self._cache, self._conversation_id) as scope:
+            nodes = await self._base_retriever.aretrieve(query_bundle)
+        return self._plan(nodes, scope.conversation_id)
 
-    def _plan(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+    def _plan(self, nodes: list[NodeWithScore], conversation_id: str | None) -> list[NodeWithScore]:
         return plan_nodes(
             nodes,
             self._cache,
-            conversation_id=self._conversation_id,
+            conversation_id=conversation_id,
             ordering=self._ordering,
             dedupe=self._dedupe,
         )

@@ -33,13 +33,15 @@ def plan(
     ordering: Ordering = "retriever",
     dedupe: DedupeMode = "mark",
 ) -> RetrievalPlan:
-    return plan_retrieval(
+    result = plan_retrieval(
         documents,
         cache,
         conversation_id=conversation_id,
         ordering=ordering,
         dedupe=dedupe,
     )
+    assert result is not None  # no wrapper is retrieving around this call
+    return result
 
 
 def docs(*texts: str) -> Docs:

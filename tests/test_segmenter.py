@@ -46,7 +46,20 @@ def registry_of(*texts: str) -> ChunkRegistry:
 
 
 def check_invariants(prompt: str, segments: list[Segment]) -> None:
-    assert "".join(s.text for s in segments) == unicodedata.normalize("NFC", prompt)
+    """Text segments are the prompt's own text; chunk segments the NFC form of its text."""
+    if "".join(s.text for s in segments) != prompt:
+        position = 0
+        for segment in segments:
+            if isinstance(segment, TextSegment):
+                assert prompt.startswith(segment.text, position)
+                position += len(segment.text)
+            else:  # the shortest prompt text whose NFC is the chunk's (only one can be)
+                position = next(
+                    end
+                    for end in range(position + 1, len(prompt) + 1)
+                    if unicodedata.normalize("NFC", prompt[position:end]) == segment.text
+                )
+        assert position == len(prompt)
     assert all(s.text for s in segments)
     for left, right in itertools.pairwise(segments):
         assert not (isinstance(left, TextSegment) and isinstance(right, TextSegment))
@@ -215,7 +228,7 @@ def test_blank_texts_are_never_matched() -> None:
     assert segment_prompt(prompt, registry) == [TextSegment(prompt)]
 
 
-def test_nfd_prompt_matches_and_segments_concatenate_to_its_nfc_form() -> None:
+def test_nfd_prompt_matches_and_its_chunk_comes_back_in_nfc() -> None:
     chunk = "Crème brûlée is a dessert of rich custard under caramelised sugar."
     nfd_chunk = unicodedata.normalize("NFD", chunk)
     prompt = f"Recette : {nfd_chunk} Fin."
@@ -228,9 +241,8 @@ def test_nfd_prompt_matches_and_segments_concatenate_to_its_nfc_form() -> None:
 def test_a_combining_mark_after_a_chunk_changes_its_text() -> None:
     chunk = "The word at the end of this chunk is cafe"
     prompt = chunk + "\u0301 and more"  # in NFC the chunk's last letter becomes "é"
-    nfc = unicodedata.normalize("NFC", prompt)
-    assert nfc.endswith("café and more")
-    assert segment_prompt(prompt, registry_of(chunk)) == [TextSegment(nfc)]
+    assert unicodedata.normalize("NFC", prompt).endswith("café and more")
+    assert segment_prompt(prompt, registry_of(chunk)) == [TextSegment(prompt)]
 
 
 def test_odd_unicode() -> None:
@@ -364,8 +376,14 @@ def test_matches_equal_a_brute_force_leftmost_longest(texts: list[str], picks: l
         if isinstance(segment, ChunkSegment):
             got.append((position, segment.text))
             assert unicodedata.normalize("NFC", texts[int(segment.chunk_id[1:])]) == segment.text
-        position += len(segment.text)
-    assert got == expected
+        position += len(unicodedata.normalize("NFC", segment.text))
+    if prompt == nfc:
+        assert got == expected
+    else:  # a match that cuts a combining sequence of a non-NFC prompt stays text
+        assert set(got) <= set(expected)
+        for start, text in set(expected) - set(got):
+            cuts = (b for b in (start, start + len(text)) if 0 < b < len(nfc))
+            assert any(unicodedata.combining(nfc[b]) for b in cuts)
 
 
 @given(
@@ -374,7 +392,7 @@ def test_matches_equal_a_brute_force_leftmost_longest(texts: list[str], picks: l
     form=st.sampled_from(["NFC", "NFD"]),
 )
 @settings(max_examples=200, deadline=None)
-def test_segments_concatenate_to_the_nfc_prompt(
+def test_segments_concatenate_to_the_prompt_with_chunks_in_nfc(
     chunks: list[str], layout: list[tuple[str, int]], form: Literal["NFC", "NFD"]
 ) -> None:
     prompt = "".join(filler + chunks[i % len(chunks)] for filler, i in layout)
