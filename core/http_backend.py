@@ -12,7 +12,8 @@ server (``POST /v1/chunkcache/render``), which holds the tokenizer.
 Errors: the server unreachable, timing out, failing or answering something other than
 the JSON it should -> :class:`BackendUnavailableError`; a 429 -> :class:`QueueFullError`
 (with the server's Retry-After, seconds or a date); a 503 -> :class:`ShuttingDownError`;
-a 400, 404 or 413 -> ValueError with the server's message; a ``base_url`` that is not an
+a 400, 404 or 413 -> ValueError with the server's message (:class:`PromptTooLongError`,
+as the local backends raise, for a 400 ``prompt_too_long``); a ``base_url`` that is not an
 http(s) URL with a host -> ValueError when the backend is made
 (:func:`~chunkcache.core.urls.server_root`).
 """
@@ -29,7 +30,12 @@ from typing import Any
 
 import httpx
 
-from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
+from chunkcache.core.errors import (
+    BackendUnavailableError,
+    PromptTooLongError,
+    QueueFullError,
+    ShuttingDownError,
+)
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
 from chunkcache.core.json_shapes import completion_events, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
@@ -173,10 +179,13 @@ class _Response:
 def _raise_for(response: httpx.Response) -> None:
     response.read()
     try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:200]
+        error = response.json()["error"]
+        message, code = error["message"], error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, code = response.text[:200], None
     status = response.status_code
+    if status == 400 and code == "prompt_too_long":
+        raise PromptTooLongError(f"chunkcache serve refused the request ({status}): {message}")
     if status == 429:
         retry = _retry_after_s(response.headers.get("retry-after", ""))
         raise QueueFullError(f"chunkcache serve is full: {message}", retry_after_s=retry)

@@ -13,12 +13,16 @@ __all__ = ["server_root"]
 
 
 def server_root(base_url: str) -> str:
-    """``base_url`` without a trailing ``/`` or ``/v1``; a ValueError naming it unless it is an
-    http(s) URL with a host (``http:///v1``, ``ftp://host``, ``localhost:8000`` and ``""`` are
-    refused), a TypeError when it is not a string."""
+    """``base_url`` without surrounding whitespace, a trailing ``/`` or ``/v1``.
+
+    A ValueError naming it unless it is an http(s) URL with a host (``http:///v1``,
+    ``ftp://host``, ``localhost:8000`` and ``""`` are refused) and nothing the client would
+    send wrongly: whitespace inside, a port outside 1-65535, a query or fragment (the API
+    paths would land inside them), or ``user:password@`` (it would replace the ``api_key``
+    and show in error messages); a TypeError when it is not a string."""
     if not isinstance(base_url, str):
         raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
-    root = base_url.rstrip("/").removesuffix("/v1")
+    root = base_url.strip().rstrip("/").removesuffix("/v1")
     try:
         url = httpx.URL(root)
     except httpx.InvalidURL as e:
@@ -27,5 +31,16 @@ def server_root(base_url: str) -> str:
         raise ValueError(
             f"base_url must be an http(s) URL with a host, like 'http://127.0.0.1:8000', "
             f"got {base_url!r}"
+        )
+    if any(c.isspace() for c in root):
+        raise ValueError(f"base_url {base_url!r} has whitespace inside it")
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise ValueError(f"base_url {base_url!r} has a port outside 1-65535")
+    if "?" in root or "#" in root:
+        raise ValueError(f"base_url {base_url!r} must not have a query or a fragment")
+    if url.userinfo:
+        raise ValueError(
+            "base_url must not carry credentials (user:password@); pass api_key instead, "
+            f"got a base_url for host {url.host!r}"
         )
     return root

@@ -3,7 +3,8 @@
 A new variant goes to the fastest tier it fits in.  A hit below is copied up (promotion) and
 the lower copy stays; a tier that must make room asks its policy for a victim, which moves
 one tier down unless a lower tier already holds a copy (RAGCache §5.1: swap out only once,
-multi-level eviction); leaving the last tier drops it for good and tells the drop listeners.
+multi-level eviction); leaving the last tier drops it for good and tells the drop listeners,
+unless a faster tier still holds a copy promoted from below.
 Write-through copies a new variant to every lower tier (RAG-DCache §III).  A failing tier is
 counted (``errors``) and skipped, never a failed request.  A write-through a shared tier
 (Redis) skipped while down is remembered (:class:`~chunkcache.core.store.backfill.PendingWrites`)
@@ -80,11 +81,11 @@ class TieredMoves(TieredStats):
 
     def _queue_backfill(self, i: int) -> None:
         """Shared tier ``i`` answers again: backfill it on the background thread (once)."""
-        with self._lock:
+        with self._lock:  # submitted under the lock: close() cannot get in and run it inline
             if self._closed or i in self._backfill_queued or not self._pending[i]:
                 return
             self._backfill_queued.add(i)
-        self._submit(self._backfill, i)
+            self._submit(self._backfill, i)
 
     def _backfill(self, i: int) -> int:
         """Write to shared tier ``i`` the entries it missed while down that a local tier still
@@ -109,10 +110,17 @@ class TieredMoves(TieredStats):
         return written
 
     def _local_copy(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
-        """``key``'s variant from the fastest local tier holding it, read whole."""
+        """``key``'s variant from the fastest local tier holding it, read whole.  Tiers are
+        asked fastest first, each under the lock (an entry moves down under it, never seen
+        halfway), so one evicted from a tier as it is read is found in the next."""
         for tier in self.tiers:
-            if not getattr(tier, "self_evicting", False) and key in tier:
-                return self._guarded(tier, functools.partial(tier.get, key, fingerprint))
+            if getattr(tier, "self_evicting", False):
+                continue
+            with self._lock:
+                held = key in tier
+            read = functools.partial(tier.get, key, fingerprint)
+            if held and (variant := self._guarded(tier, read)) is not None:
+                return variant
         return None
 
     def _promote(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> KVVariant:
@@ -152,7 +160,8 @@ class TieredMoves(TieredStats):
 
     def _evicted(self, i: int, key: EntryKey, loader: Loader) -> None:
         """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below
-        (swap out only once), else it is gone for good."""
+        (swap out only once); else it is gone for good, unless a faster tier still holds the
+        copy promoted from here (that copy moves down when that tier evicts it)."""
         self._metrics.tier(self.tiers[i].name, "evictions")
         self.policies[i].evicted(key, self._stats_of(key))
         lower = self.tiers[i + 1 :]
@@ -161,7 +170,7 @@ class TieredMoves(TieredStats):
         loaded = loader() if lower else None
         if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
-        else:
+        elif not any(key in tier for tier in self.tiers[:i]):
             self._dropped(key)
 
     def _dropped(self, key: EntryKey) -> None:
