@@ -55,11 +55,16 @@ class RetrievalPlan:
 
 
 class RetrievalScope:
-    """A wrapper's call to its base retriever, on ``cache``, for ``conversation_id``."""
+    """A wrapper's call to its base retriever, on ``cache``, for ``conversation_id``.
+
+    ``open`` until the call returns: a thread or task started inside it inherits the
+    scope but, once the call has returned, plans its own requests again.
+    """
 
     def __init__(self, cache: ChunkCache, conversation_id: str | None) -> None:
         self.cache = cache
         self.conversation_id = conversation_id
+        self.open = True
 
 
 # The scopes open in this thread or task, outermost first.
@@ -78,6 +83,7 @@ def retrieval_scope(cache: ChunkCache, conversation_id: str | None) -> Iterator[
     try:
         yield scope
     finally:
+        scope.open = False
         _open_scopes.reset(token)
 
 
@@ -107,7 +113,7 @@ def plan_retrieval(
     wrapper that opened it plans the request, so the caller returns ``documents``
     as they are (see the module docstring).
     """
-    outer = next((s for s in _open_scopes.get() if s.cache is cache), None)
+    outer = next((s for s in _open_scopes.get() if s.cache is cache and s.open), None)
     if outer is not None:
         if outer.conversation_id is None:
             outer.conversation_id = conversation_id

@@ -15,7 +15,8 @@ is logged as a warning and rebuilt.  Chroma is rebuilt in a fresh directory that
 ``chroma.current`` is switched to once it passes the same check, so a build cut
 short is never used.  A process holds a shared lock on ``<dir>.lock`` while it
 builds or uses a Chroma directory; opening the index removes every other
-``chroma-*`` directory that no process holds (those of killed builds).
+``chroma-*`` directory that no process holds (those of killed builds, and a damaged
+one that was still in use when it was replaced).
 
 >>> retriever = langchain_corpus_retriever("faiss", k=3)
 >>> [doc.metadata["topic"] for doc in retriever.invoke("serialize an object to JSON")][0]
@@ -185,9 +186,10 @@ class _CorpusIndexes:
                 current = self._current_chroma_path()
                 self._chroma = None if current is None else self._open_chroma(current, vectors)
                 if self._chroma is None:
-                    if current is not None:  # damaged: never opened again
-                        shutil.rmtree(current, ignore_errors=True)
-                        lock_path(current).unlink(missing_ok=True)
+                    # Damaged: never opened again, and removed unless another process
+                    # uses it (it opened it before the damage); then once none does.
+                    if current is not None and not remove_unheld(current):
+                        logger.info("damaged Chroma index %s is in use; left for now", current)
                     self._chroma = self._build_chroma(vectors)
                 self._remove_unused_chroma()
             return self._chroma

@@ -33,6 +33,8 @@ history loses chunks.
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,9 +42,10 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from chunkcache.core.cache import ChunkCache, default_cache
+from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY, chunk_id_for
 from chunkcache.core.ledger import DedupeMode, check_conversation_id, check_dedupe_mode
 from chunkcache.core.ordering import Ordering, check_ordering
 from chunkcache.core.retrieval import plan_retrieval, retrieval_scope
@@ -54,6 +57,13 @@ from chunkcache.integrations.llama_index_fields import (
 from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
 __all__ = ["ChunkCacheLLM", "ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
+
+# The node copies plan_nodes returned, per cache (both held weakly): a postprocessor on
+# that cache passes them through, since the request they came in is planned already.
+_planned: weakref.WeakKeyDictionary[ChunkCache, weakref.WeakValueDictionary[int, BaseNode]] = (
+    weakref.WeakKeyDictionary()
+)
+_planned_lock = threading.Lock()
 
 
 def plan_nodes(
@@ -100,7 +110,26 @@ def plan_nodes(
             }
         )
         planned.append(NodeWithScore(node=node, score=source.score))
+    with _planned_lock:
+        mine = _planned.setdefault(cache, weakref.WeakValueDictionary())
+        mine.update((id(n.node), n.node) for n in planned)
     return planned
+
+
+def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:
+    """Whether ``node`` is a copy :func:`plan_nodes` returned for ``cache``, its text
+    still the one it was planned with (a postprocessor may have replaced it)."""
+    with _planned_lock:
+        mine = _planned.get(cache)
+        if mine is None or mine.get(id(node)) is not node:
+            return False
+    return node.metadata.get(CHUNK_ID_METADATA_KEY) == _chunk_id(node, cache)
+
+
+def _chunk_id(node: BaseNode, cache: ChunkCache) -> str:
+    """The id :func:`plan_nodes` gives ``node`` on ``cache``."""
+    text = node.get_content(metadata_mode=MetadataMode.NONE)
+    return chunk_id_for(text, node.metadata, cache.namespace)
 
 
 def _union(keys: list[str], added: dict[str, Any]) -> list[str]:
@@ -201,6 +230,12 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     ... )
 
     Place it last, so the nodes it orders are the ones the prompt gets.
+
+    Behind a :class:`ChunkCacheRetriever` on the same cache (in one query engine), the
+    retriever has planned the request: the nodes it returned pass through as they come,
+    so the request is neither counted twice nor dropped as "already sent".  Nodes added
+    since (e.g. by ``PrevNextNodePostprocessor``) are planned as a request of their own
+    and follow them, less those repeating a chunk already among them.
     """
 
     cache: CacheField = Field(default_factory=default_cache, exclude=True)
@@ -219,8 +254,17 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        return plan_nodes(
-            nodes,
+        planned: list[NodeWithScore] = []
+        others: list[NodeWithScore] = []
+        for n in nodes:
+            (planned if _was_planned(n.node, self.cache) else others).append(n)
+        if planned:  # behind a ChunkCacheRetriever on this cache: only the others are new
+            sent = {n.node.metadata[CHUNK_ID_METADATA_KEY] for n in planned}
+            others = [n for n in others if _chunk_id(n.node, self.cache) not in sent]
+            if not others:
+                return planned
+        return planned + plan_nodes(
+            others,
             self.cache,
             conversation_id=self.conversation_id,
             ordering=self.ordering,

@@ -269,9 +269,11 @@ def _approx(hits: dict[str, list[tuple[str, float]]]) -> dict[str, list[tuple[st
 
 
 def _closed_chroma_dir(corpus_indexes: indexes._CorpusIndexes) -> Path:
-    """The Chroma directory, its client closed as if the process had ended."""
+    """The Chroma directory, its client closed and its lock released as if the process
+    had ended."""
     client = corpus_indexes.chroma()[0]
     client.close()
+    corpus_indexes._hold(None)
     return Path(client.get_settings().persist_directory)
 
 

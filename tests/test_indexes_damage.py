@@ -156,3 +156,24 @@ def test_directories_of_killed_builds_are_removed_unless_held(tmp_path: Path) ->
         os.close(held)
     left = sorted(p.name for p in built.directory.iterdir() if p.is_dir())
     assert left == sorted([current.name, in_this_process.name])  # in_use went with its holder
+
+
+@pytest.mark.usefixtures("embed_calls")
+def test_a_damaged_index_another_process_uses_is_left_to_it(tmp_path: Path) -> None:
+    chunks = load_corpus(max_chunks=12)
+    built = indexes._CorpusIndexes(chunks, tmp_path)
+    expected = _approx(_hits(built))
+    damaged = _closed_chroma_dir(built)
+    _truncate(damaged / "chroma.sqlite3")
+    held = hold(lock_path(damaged))  # as a process that opened it before the damage holds it
+    assert held is not None
+    try:
+        rebuilt = indexes._CorpusIndexes(chunks, tmp_path)
+        assert _hits(rebuilt) == expected
+        assert damaged.is_dir()  # not pulled from under its user
+        assert rebuilt._current_chroma_path() != damaged
+    finally:
+        os.close(held)
+    _closed_chroma_dir(rebuilt)
+    assert _hits(indexes._CorpusIndexes(chunks, tmp_path)) == expected
+    assert not damaged.exists() and not lock_path(damaged).exists()  # gone with its user

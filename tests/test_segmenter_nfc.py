@@ -87,13 +87,15 @@ def test_hangul_jamo_question_next_to_a_chunk() -> None:
 
 
 # Marks in both orders, Hangul jamo, Indic two-part vowels, singletons, Tibetan vowels
-# that decompose to marks, and the ASCII around them.
+# that decompose to marks, musical symbols and CJK compatibility ideographs outside the
+# BMP, and the ASCII around them.
 TRICKY = st.sampled_from(
     [
         *"ae<=> \n",
         *("\u0301", "\u0323", "\u0338", "\u00e9", "\u1100", "\u1161", "\u11a8", "\uac00"),
         *("\u0b47", "\u0b3e", "\u0b4b", "\u212b", "\u2126", "\u0958", "\u0f73", "\u0f74"),
         *("\u304b", "\u3099", "\uf900", "\ud800"),
+        *("\U0001d15e", "\U0001d165", "\U0002f800"),  # outside the BMP
     ]
 )
 
