@@ -154,16 +154,19 @@ class ChunkCache:
         """Keep the prefix tree in step with the store of an in-process engine, if any."""
         store = getattr(getattr(backend, "engine", None), "store", None)
         listeners = getattr(store, "drop_listeners", None)
-        contains_chunk = getattr(store, "contains_chunk", None)
         contains_segment = getattr(store, "contains_segment", None)
-        if not isinstance(listeners, list) or contains_chunk is None or contains_segment is None:
+        # optional: a store without it keeps the tree by the dropped text's variants only
+        contains_chunk = getattr(store, "contains_chunk", None)
+        if not isinstance(listeners, list) or contains_segment is None:
             return
 
         def dropped(fingerprint: str, segment_id: str, context: str) -> None:
             chunk_id = chunk_id_of(segment_id)
             # contains_chunk knows the texts this process stored; contains_segment also
             # sees a variant of this text stored by another process or an earlier run.
-            if contains_segment(fingerprint, segment_id) or contains_chunk(fingerprint, chunk_id):
+            if contains_segment(fingerprint, segment_id) or (
+                contains_chunk is not None and contains_chunk(fingerprint, chunk_id)
+            ):
                 return  # another variant of the chunk (any of its texts) is still cached
             with self._lock:
                 self.prefix_tree.remove_chunk(chunk_id)

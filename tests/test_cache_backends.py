@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-from test_store_support import FP, make_variant
+from test_store_support import FP, cache_on, make_variant, promoted
 
 from chunkcache.core.backends import BackendSpec
 from chunkcache.core.cache import ChunkCache
@@ -47,32 +45,14 @@ def test_a_named_backend_is_built_on_first_use_only() -> None:
     assert cache._backend_spec == BackendSpec("http", "http://127.0.0.1:1")
 
 
-@dataclass
-class _Engine:
-    store: KVStore
-
-
-@dataclass
-class _Backend:
-    """Just enough of a LocalBackend for the cache to find the engine's store."""
-
-    engine: _Engine
-
-
-def _promoted(cache: ChunkCache, order: list[str]) -> None:
-    for _ in range(2):  # CRAFT's promotion threshold is 2 accesses
-        cache.arrange(order)
-    assert cache.prefix_tree.longest_prefix_length(order) == len(order)
-
-
 @pytest.mark.parametrize("tiered", [False, True])
 def test_evicting_a_chunks_last_variant_removes_its_prefixes(tiered: bool) -> None:
     capacity = 2 * VARIANT_BYTES
     store: KVStore = (
         TieredKVStore([MemoryTier("host", capacity)]) if tiered else MemoryKVStore(capacity)
     )
-    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
-    _promoted(cache, ["a", "b"])
+    cache = cache_on(store)
+    assert promoted(cache, ["a", "b"]) == 2
     store.put(FP, make_variant("a", "ctx-1"))
     store.put(FP, make_variant("a", "ctx-2"))  # capacity 2: the next put evicts ctx-1
     store.put(FP, make_variant("b", "ctx-1"))
@@ -84,8 +64,8 @@ def test_evicting_a_chunks_last_variant_removes_its_prefixes(tiered: bool) -> No
 
 def test_replacing_a_variant_is_no_eviction() -> None:
     store = MemoryKVStore(4 * VARIANT_BYTES)
-    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
-    _promoted(cache, ["a"])
+    cache = cache_on(store)
+    assert promoted(cache, ["a"]) == 1
     store.put(FP, make_variant("a", "ctx-1", seed=1))
     store.put(FP, make_variant("a", "ctx-1", seed=2))
     assert cache.prefix_tree.longest_prefix_length(["a"]) == 1

@@ -32,6 +32,7 @@ def _link_out_of_range(path: Path) -> None:
     data = bytearray(path.read_bytes())
     position = 0
     while True:  # each element: its lists' size in bytes, then the lists (a count, then ids)
+        assert position < len(data), "no element has an upper-level link to damage"
         size = int.from_bytes(data[position : position + 4], "little")
         if size and int.from_bytes(data[position + 4 : position + 6], "little"):
             break

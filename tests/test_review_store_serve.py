@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from test_store_backfill import _FlakyShared
-from test_store_support import FP, make_variant, same_kv
+from test_store_support import FP, cache_on, make_variant, promoted, same_kv
 from tiny_models import tiny_lm
 
-from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import chunk_key
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.generation import GenerationRequest, SamplingParams
 from chunkcache.core.http_backend import HttpBackend
-from chunkcache.core.kv_store import KVStore, KVVariant
+from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.prompting import generate
@@ -33,28 +31,10 @@ from chunkcache.core.urls import server_root
 SIZE = make_variant("x").num_bytes
 
 
-@dataclass
-class _Engine:
-    store: KVStore
-
-
-@dataclass
-class _Backend:
-    """Just enough of a LocalBackend for the cache to find the engine's store."""
-
-    engine: _Engine
-
-
 def _disk_entry_bytes(tmp_path: Path) -> int:
     disk = DiskTier(tmp_path / "probe", 10**6)
     TieredKVStore([disk]).put(FP, make_variant("probe"))
     return disk.num_bytes
-
-
-def _promoted(cache: ChunkCache, chunk_ids: list[str]) -> int:
-    for _ in range(2):  # CRAFT's promotion threshold is 2 accesses
-        cache.arrange(chunk_ids, ordering="retriever")
-    return cache.prefix_tree.longest_prefix_length(chunk_ids)
 
 
 def test_the_last_tier_evicting_a_copy_a_faster_tier_holds_drops_nothing(
@@ -64,9 +44,9 @@ def test_the_last_tier_evicting_a_copy_a_faster_tier_holds_drops_nothing(
     the entry is no drop: its statistics stay and the prefix tree keeps the chunk."""
     disk = DiskTier(tmp_path / "kv", 2 * _disk_entry_bytes(tmp_path) + 10)
     store = TieredKVStore([MemoryTier("host", 10 * SIZE), disk], write_through=True)
-    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
+    cache = cache_on(store)
     a = chunk_key("doc-a", (1,))
-    assert _promoted(cache, ["doc-a"]) == 1
+    assert promoted(cache, ["doc-a"]) == 1
     gone: list[tuple[str, str, str]] = []
     store.drop_listeners.append(lambda *names: gone.append(names))
     for segment_id in (a, "b", "c"):  # the disk holds two: it evicts a's copy
@@ -91,8 +71,8 @@ def test_a_chunk_stays_while_its_segment_has_a_variant_this_store_never_touched(
     big = make_variant("other", num_tokens=64).num_bytes
     disk = DiskTier(tmp_path / "kv", 2 * _disk_entry_bytes(tmp_path))
     store = TieredKVStore([MemoryTier("host", big + big // 2), disk])
-    cache = ChunkCache(backend=_Backend(_Engine(store)))  # type: ignore[arg-type]
-    assert _promoted(cache, ["doc-a"]) == 1
+    cache = cache_on(store)
+    assert promoted(cache, ["doc-a"]) == 1
     # Too big for the disk: its eviction from the host is a drop.
     store.put(FP, make_variant(segment, "ctx-now", num_tokens=64))
     store.put(FP, make_variant("other", num_tokens=64))

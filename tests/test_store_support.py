@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from chunkcache.core.kv_store import ROOT_CONTEXT, KVVariant
+from chunkcache.core.cache import ChunkCache
+from chunkcache.core.kv_store import ROOT_CONTEXT, KVStore, KVVariant
 
 FP = "tiny-model-fingerprint"
 
@@ -37,3 +39,18 @@ def same_kv(a: KVVariant | None, b: KVVariant) -> bool:
 def tree_bytes(root: Path) -> int:
     """Bytes of every committed entry file under a disk tier's root."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name[0] != ".")
+
+
+def cache_on(store: KVStore) -> ChunkCache:
+    """A ChunkCache whose backend is just enough of a LocalBackend for it to find ``store``
+    (``backend.engine.store``): its prefix tree follows the store's evictions."""
+    backend = SimpleNamespace(engine=SimpleNamespace(store=store))
+    return ChunkCache(backend=backend)
+
+
+def promoted(cache: ChunkCache, chunk_ids: list[str]) -> int:
+    """Request ``chunk_ids`` until the prefix tree promotes them (CRAFT's threshold is 2
+    accesses); the length of their prefix the tree then holds."""
+    for _ in range(2):
+        cache.arrange(chunk_ids, ordering="retriever")
+    return cache.prefix_tree.longest_prefix_length(chunk_ids)

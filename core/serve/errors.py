@@ -3,11 +3,12 @@
 =========================================  ======  ====================================
 failure                                    status  error type (code)
 =========================================  ======  ====================================
-bad body, bad policy, max_tokens over the  400     invalid_request_error
-limit, empty messages, a bad seed, text
-with a lone surrogate
-prompt (plus max_tokens) over the context  400     invalid_request_error (prompt_too_long)
-window, or leaving no room to generate
+bad body, bad policy, empty messages, a    400     invalid_request_error
+bad seed, text with a lone surrogate
+max_tokens over ``max_tokens_limit``       400     invalid_request_error (max_tokens_too_large)
+prompt over ``max_prompt_chars``, or       400     invalid_request_error (prompt_too_long)
+(plus max_tokens) over the context window,
+or leaving no room to generate
 missing or wrong API key                   401     authentication_error (invalid_api_key)
 another model than the one served          404     invalid_request_error (model_not_found)
 body larger than ``max_body_bytes``        413     invalid_request_error (body_too_large)
