@@ -55,5 +55,5 @@ class ServeSettings(BaseSettings):
         default=30.0, ge=0, description="on SIGTERM/SIGINT, finish in-flight work this long"
     )
     retry_after_s: float = Field(
-        default=1.0, gt=0, description="Retry-After of a 429 when the backend gives none"
+        default=1.0, gt=0, description="least Retry-After of a 429 (more when the queue is long)"
     )

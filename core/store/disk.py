@@ -4,12 +4,13 @@ Layout (every name a hash, :mod:`chunkcache.core.store.codec`)::
 
     root/.lock                     filelock held while committing or evicting
     root/.epoch                    bumped on every change; another number means rescan
-    root/v2/<ns>/<seg[:2]>/<seg>/<ctx>.safetensors   k, v: [L, H_kv, n, D] each
-    root/v2/<ns>/<seg[:2]>/<seg>/<ctx>.json          header; its presence commits the entry
+    root/v3/<ns>/<seg[:2]>/<seg>/<ctx>.safetensors   k, v: [L, H_kv, n, D] each
+    root/v3/<ns>/<seg[:2]>/<seg>/<ctx>.json          header; its presence commits the entry
 
-The ``v2`` directory is the codec's format version (format 2: a checksum per layer in the
-header).  Directories of older formats are removed when a tier opens: their entries are
-misses, never read.
+The ``v3`` directory is the codec's format version (format 3: a segment id is a chunk key,
+``<chunk id>#<hash of its tokens>``, and the header has a checksum per layer).
+Directories of older formats are removed when a tier opens: their entries are misses,
+never read.
 
 A write goes to temp files first (fsync; removed if writing fails), then, under the lock,
 the old header is removed, the data renamed into place, then the header (the commit), then
