@@ -13,6 +13,7 @@ from chunkcache.core.errors import (
     InvalidTextError,
     PromptTooLongError,
 )
+from chunkcache.core.escaped_chunks import EscapedChunksWarning
 from chunkcache.core.ledger import ConversationLedger
 from chunkcache.core.metrics import prefix_metric, total_metric
 from chunkcache.core.ordering import order_chunks, tree_guided_order
@@ -27,6 +28,7 @@ __all__ = [
     "ChunkPrefixTree",
     "ChunkRegistry",
     "ConversationLedger",
+    "EscapedChunksWarning",
     "InvalidChunkError",
     "InvalidConversationIdError",
     "InvalidTextError",

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
 from chunkcache.core.cache import ChunkCache
+from chunkcache.core.escaped_chunks import warn_if_escaped
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
@@ -99,8 +100,10 @@ def build_request(
         seed=seed,
         fit_window=fit_window,
     )
+    segments = segment_prompt(prompt, cache.matcher, chunks)
+    warn_if_escaped(prompt, segments, cache.matcher.index())
     return GenerationRequest(
-        segments=segment_prompt(prompt, cache.matcher, chunks),
+        segments=segments,
         conversation_id=None if conversation_id is None else check_conversation_id(conversation_id),
         policy=check_policy(recompute),
         recompute_ratio=recompute_ratio,

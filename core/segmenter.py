@@ -18,6 +18,8 @@ with any template.  The rules:
   chunk has made another text: it stays plain text.  Matching the variant would need
   another id and another KV anyway (the KV must be that of the prompt's own tokens),
   and serving the registered chunk's KV for it would be wrong KV, worse than none.
+  :func:`~chunkcache.core.prompting.build_request` warns when a prompt holds registered
+  chunks only escaped (:mod:`chunkcache.core.escaped_chunks`).
 - Texts shorter than ``min_length`` (default 32) characters are never matched.
 """
 
