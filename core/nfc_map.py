@@ -9,6 +9,7 @@ Both are linear in the prompt, and free for a prompt that already is NFC.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 import sys
@@ -124,6 +125,7 @@ class OffsetMap:
 
     def __init__(self, changes: list[Change]) -> None:
         self._changes = changes
+        self._nfc_starts = [nfc_start for _, _, nfc_start, _ in changes]
         self._next = 0  # the first change not wholly before the last offset asked for
         self._shift = 0  # prompt offset minus NFC offset after the changes passed
 
@@ -138,3 +140,12 @@ class OffsetMap:
             self._shift += (end - start) - len(nfc)
             self._next += 1
         return nfc_offset + self._shift
+
+    def can_cut(self, nfc_offset: int) -> bool:
+        """Whether the prompt can be cut at ``nfc_offset``: it is not inside a changed
+        sequence.  Any order of offsets, a binary search each."""
+        index = bisect.bisect_left(self._nfc_starts, nfc_offset) - 1
+        if index < 0:
+            return True
+        _, _, nfc_start, nfc = self._changes[index]
+        return nfc_offset >= nfc_start + len(nfc)

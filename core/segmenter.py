@@ -8,9 +8,9 @@ with any template.  The rules:
   text reaches the model as the app wrote it: text segments are slices of the prompt as
   given.  A chunk segment's text is its chunk's NFC text (what its KV was computed on),
   so the segments concatenate to the prompt itself, except that a chunk written in
-  another normalization form comes back in NFC.  A match that would cut a combining
-  sequence of a non-NFC prompt (e.g. end between a letter and its accent) is left as
-  text.
+  another normalization form comes back in NFC.  An occurrence that would cut a
+  combining sequence of a non-NFC prompt (e.g. end between a letter and its accent) is
+  no match: it stays text, and hides no other match.
 - Leftmost-longest, non-overlapping: of two overlapping matches the one starting
   first is kept, the longer on a tie.  The other chunk's text stays plain text and is
   simply computed.  A chunk present twice gives two segments with the same id.
@@ -131,10 +131,9 @@ def segment_prompt(
     to_prompt = OffsetMap(changes)
     segments: list[Segment] = []
     position = 0  # in the prompt as given
-    for match in index.find(text):
+    for match in index.find(text, can_cut=to_prompt.can_cut):
         start, end = to_prompt.offset(match.start), to_prompt.offset(match.end)
-        if start is None or end is None:
-            continue  # the match would cut a combining sequence: leave it as text
+        assert start is not None and end is not None  # find() kept only cuttable matches
         if start > position:
             segments.append(TextSegment(prompt[position:start]))
         segments.append(ChunkSegment(match.chunk_id, text[match.start : match.end]))

@@ -17,7 +17,7 @@ Texts shorter than ``min_length`` are not indexed: they would match by accident
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from chunkcache.core.chunk_ids import normalize_text
@@ -90,20 +90,28 @@ class TextIndex:
                 groups.pop(anchor, None)
         return TextIndex(self.min_length, groups)
 
-    def find(self, text: str) -> list[TextMatch]:
+    def find(self, text: str, can_cut: Callable[[int], bool] | None = None) -> list[TextMatch]:
         """Non-overlapping matches in ``text`` (an NFC string), leftmost first, then longest.
 
-        A match hides every later match that overlaps it, even a longer one.  Cost: one
-        lookup per character, plus a ``startswith`` per text filed under each anchor
-        found; a failing one stops at the first differing character.
+        A match hides every later match that overlaps it, even a longer one.  With
+        ``can_cut``, an occurrence counts only where ``can_cut`` allows cutting ``text`` at
+        both its ends; one that does not hides nothing.  Cost: one lookup per character,
+        plus a ``startswith`` per text filed under each anchor found; a failing one stops
+        at the first differing character.
         """
         matches: list[TextMatch] = []
         lookup = self._groups.get
         width = self.anchor_length
         start, last_start = 0, len(text) - width
+
+        def fits(chunk: str) -> bool:
+            if not text.startswith(chunk, start):
+                return False
+            return can_cut is None or (can_cut(start) and can_cut(start + len(chunk)))
+
         while start <= last_start:
             group = lookup(text[start : start + width])
-            hit = next((c for c in group if text.startswith(c[1], start)), None) if group else None
+            hit = next((c for c in group if fits(c[1])), None) if group else None
             if hit is None:
                 start += 1
                 continue

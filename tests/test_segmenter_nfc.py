@@ -77,6 +77,28 @@ def test_a_match_that_would_cut_a_combining_sequence_stays_text() -> None:
     assert segment_prompt(prompt, registry_of(chunk)) == [TextSegment(prompt)]
 
 
+def test_a_match_that_cannot_be_cut_out_hides_no_overlapping_match() -> None:
+    # The first chunk would end inside "e\u0301\u0323"; a second chunk starting inside
+    # the first and ending after the sequence is a whole cut of the prompt: it is found.
+    first = "The last letter of this chunk has a dot below it: \u1eb9"
+    second = "this chunk has a dot below it: \u1eb9\u0301 and the text after it"
+    prompt = "Intro " + first[:-1] + "e\u0301\u0323 and the text after it."
+    assert unicodedata.normalize("NFC", prompt).endswith(second + ".")
+    assert segment_prompt(prompt, registry_of(first, second)) == [
+        TextSegment("Intro The last letter of "),
+        ChunkSegment(chunk_id(second), second),
+        TextSegment("."),
+    ]
+
+
+def test_offsets_inside_a_changed_sequence_cannot_be_cut_asked_in_any_order() -> None:
+    nfc, changes = nfc_with_changes("ab" + nfd("\u00e9") + nfd("\u1eb9\u0301") + "cd")
+    assert nfc == "ab\u00e9\u1eb9\u0301cd"
+    offsets = OffsetMap(changes)
+    cuts = {i: offsets.can_cut(i) for i in reversed(range(len(nfc) + 1))}
+    assert [i for i, ok in sorted(cuts.items()) if not ok] == [4]  # between U+1EB9 and U+0301
+
+
 def test_hangul_jamo_question_next_to_a_chunk() -> None:
     # Conjoining jamo compose across characters (L+V+T): the question stays in jamo.
     prompt = SEOUL + nfd(HANGUL_QUESTION)
@@ -108,6 +130,7 @@ def test_nfc_pieces_and_the_offset_map_agree_with_unicodedata(text: str) -> None
     offsets = OffsetMap(changes)
     for nfc_offset in range(len(nfc) + 1):
         original = offsets.offset(nfc_offset)
+        assert offsets.can_cut(nfc_offset) == (original is not None)
         if original is not None:  # a cut of the text with the same NFC halves
             assert unicodedata.normalize("NFC", text[:original]) == nfc[:nfc_offset]
             assert unicodedata.normalize("NFC", text[original:]) == nfc[nfc_offset:]
