@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
+from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.segmenter import Segment
 
 Policy = Literal["full", "prefix", "reuse", "cacheblend", "cachecraft"]
@@ -35,10 +36,10 @@ class SamplingParams:
 
     ``fit_window``: generate up to ``max_tokens`` or up to the room the prompt leaves in the
     model's context window, whichever is less, as OpenAI does for a request that sets no
-    limit.  The backend that tokenizes the prompt applies it (local, batching; the ``http``
-    backend has its server apply it; the ``vllm`` backend sends ``max_tokens`` as it is, as
-    vLLM has no such option); a prompt that fills the window is refused either way.  Without
-    it, a prompt plus ``max_tokens`` over the window is refused.
+    limit.  The backend that tokenizes the prompt applies it (local, batching, ``vllm``; the
+    ``http`` backend has its server apply it); a prompt that fills the window is refused
+    either way.  Without it, a prompt plus ``max_tokens`` over the window is refused
+    (:func:`tokens_to_generate`).
     """
 
     max_tokens: int = 256
@@ -62,6 +63,27 @@ class SamplingParams:
         strings = isinstance(self.stop, tuple | list) and all(isinstance(s, str) for s in self.stop)
         if not strings:
             raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
+
+
+def tokens_to_generate(prompt_tokens: int, sampling: SamplingParams, context_window: int) -> int:
+    """How many tokens a prompt of ``prompt_tokens`` may generate in ``context_window``:
+    ``sampling.max_tokens``, cut to the room left with ``fit_window``.  A prompt that leaves
+    no room, or (without ``fit_window``) no room for ``max_tokens``, is a
+    :class:`PromptTooLongError`."""
+    room = context_window - prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"{prompt_tokens} prompt tokens leave no room to generate in the model's "
+            f"context window of {context_window}"
+        )
+    if sampling.fit_window:
+        return min(sampling.max_tokens, room)
+    if sampling.max_tokens > room:
+        raise PromptTooLongError(
+            f"{prompt_tokens} prompt tokens + {sampling.max_tokens} to generate exceed the "
+            f"model's context window of {context_window}"
+        )
+    return sampling.max_tokens
 
 
 def _is_int(value: object) -> bool:

@@ -37,7 +37,7 @@ from chunkcache.core.errors import (
     ShuttingDownError,
 )
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
-from chunkcache.core.json_shapes import completion_events, json_object, shaped
+from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.core.urls import server_root
 
@@ -178,11 +178,7 @@ class _Response:
 
 def _raise_for(response: httpx.Response) -> None:
     response.read()
-    try:
-        error = response.json()["error"]
-        message, code = error["message"], error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message, code = response.text[:200], None
+    message, code = error_message(response.text)
     status = response.status_code
     if status == 400 and code == "prompt_too_long":
         raise PromptTooLongError(f"chunkcache serve refused the request ({status}): {message}")

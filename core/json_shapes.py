@@ -14,7 +14,7 @@ from typing import Any
 
 from chunkcache.core.errors import BackendUnavailableError
 
-__all__ = ["clip", "completion_events", "json_object", "shaped"]
+__all__ = ["clip", "completion_events", "error_message", "json_object", "shaped"]
 
 SSE_FIELDS = frozenset({"data", "event", "id", "retry"})
 
@@ -89,3 +89,13 @@ def clip(value: Any) -> str:
     """``value`` as JSON, cut short for an error message."""
     text = json.dumps(value)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def error_message(text: str) -> tuple[str, Any]:
+    """The message and code of an OpenAI-style error body (``{"error": {"message": ...,
+    "code": ...}}``); for any other body, its first 200 characters and None."""
+    try:
+        error = json.loads(text)["error"]
+        return str(error["message"]), error.get("code")
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return text[:200], None

@@ -13,8 +13,7 @@ from typing import cast
 import torch
 
 from chunkcache.core.engine import ChunkEngine, TokenSegment
-from chunkcache.core.errors import PromptTooLongError
-from chunkcache.core.generation import GenerationChunk, GenerationRequest
+from chunkcache.core.generation import GenerationChunk, GenerationRequest, tokens_to_generate
 from chunkcache.core.kv_store import KVStore
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.models import load_model
@@ -131,13 +130,8 @@ def fit_to_window(
     if not request.sampling.fit_window:
         return request
     prompt_tokens = sum(len(segment.ids) for segment in segments)
-    room = context_window - prompt_tokens
-    if room < 1:
-        raise PromptTooLongError(
-            f"{prompt_tokens} prompt tokens leave no room to generate in the model's "
-            f"context window of {context_window}"
-        )
-    sampling = replace(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
+    max_tokens = tokens_to_generate(prompt_tokens, request.sampling, context_window)
+    sampling = replace(request.sampling, max_tokens=max_tokens)
     return replace(request, sampling=sampling)
 
 

@@ -10,10 +10,18 @@ cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
 The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
 cached tokens (and ``--enable-prefix-caching`` to have any).
 
+The context window: vLLM itself cuts ``max_tokens`` to the room a prompt leaves.  This
+backend keeps the local backends' rule instead (:func:`~chunkcache.core.generation.
+tokens_to_generate`): it reads the window once from ``GET /v1/models`` (``max_model_len``),
+counts the prompt's tokens with its tokenizer, and refuses a prompt that leaves no room, or
+no room for ``max_tokens`` unless the request sets ``fit_window``, before sending it.
+
 Errors: a ``base_url`` that is not an http(s) URL with a host -> ValueError when the backend
-is made (:func:`~chunkcache.core.urls.server_root`);
-the server unreachable, timing out or failing, or answering anything but a complete event
-stream of completion events (ending in ``data: [DONE]``, with the usage asked for) ->
+is made (:func:`~chunkcache.core.urls.server_root`); a prompt over the context window ->
+:class:`PromptTooLongError`; a request the server refuses (400, 404, 413, 422) -> ValueError
+with its message (:class:`PromptTooLongError` for vLLM's context-length 400); the server
+unreachable, timing out or failing, or answering anything but a complete event stream of
+completion events (ending in ``data: [DONE]``, with the usage asked for) ->
 :class:`BackendUnavailableError` naming the server and the endpoint.
 
 >>> backend = VllmBackend("http://127.0.0.1:8000", "SmolLM2-135M-Instruct")  # doctest: +SKIP
@@ -22,6 +30,8 @@ stream of completion events (ending in ``data: [DONE]``, with the usage asked fo
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,15 +39,24 @@ from typing import Any
 
 import httpx
 
-from chunkcache.core.errors import BackendUnavailableError
-from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
-from chunkcache.core.json_shapes import completion_events, shaped
+from chunkcache.core.errors import BackendUnavailableError, PromptTooLongError
+from chunkcache.core.generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    tokens_to_generate,
+)
+from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.tokenization import render_chat
 from chunkcache.core.urls import server_root
 
 __all__ = ["VllmBackend"]
 
 _COMPLETIONS = "POST /v1/completions"
+_MODELS = "GET /v1/models"
+# How vLLM words a prompt over the window (vllm/renderers/params.py, v1/engine/input_processor.py).
+_OVER_THE_WINDOW = re.compile(r"maximum (context|model) length")
 
 
 class VllmBackend:
@@ -49,9 +68,10 @@ class VllmBackend:
         model: the model name the server serves (``--served-model-name``).
         api_key: sent as a bearer token when the server wants one (``--api-key``).
         timeout_s: how long one request may take, end to end.
-        tokenizer: a Hugging Face tokenizer for the chat template; by default the
-            tokenizer of the local model named ``model`` (the default model's
-            safetensors copy, or a checkpoint folder), loaded offline on first use.
+        tokenizer: a Hugging Face tokenizer for the chat template and for counting a
+            prompt's tokens against the context window; by default the tokenizer of the
+            local model named ``model`` (the default model's safetensors copy, or a
+            checkpoint folder), loaded offline on first use.
         transport: an httpx transport (tests pass ``httpx.MockTransport``).
     """
 
@@ -84,7 +104,7 @@ class VllmBackend:
 
     @property
     def tokenizer(self) -> Any:
-        """The chat template's tokenizer (loaded from the local model on first use)."""
+        """The model's tokenizer (loaded from the local model on first use)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = _local_tokenizer(self.model_name)
@@ -101,14 +121,12 @@ class VllmBackend:
         stats = GenerationStats(policy="prefix")
         has_usage = False
         body = self._body(request)
+        self._check_window(body["prompt"], request.sampling)
         try:
             with self._client.stream("POST", "/completions", json=body) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise BackendUnavailableError(
-                        f"{self._server} answered {_COMPLETIONS} with {response.status_code}: "
-                        f"{response.text[:500]}"
-                    )
+                    raise self._refusal(response)
                 for event in completion_events(response.iter_lines(), _COMPLETIONS, self._server):
                     for item in event.get("choices") or ():
                         choice = shaped(
@@ -139,6 +157,41 @@ class VllmBackend:
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()
+
+    @functools.cached_property
+    def context_window(self) -> int | None:
+        """The server's ``max_model_len`` for this model (asked once), None if it gives none."""
+        try:
+            response = self._client.get("/models")
+        except httpx.HTTPError as e:
+            raise BackendUnavailableError(f"{self._server} failed: {e}") from e
+        if response.status_code == 404:
+            return None  # not vLLM's API: its own checks are all there is
+        if response.status_code >= 400:
+            raise self._refusal(response, _MODELS)
+        models = json_object(response.text, _MODELS, self._server, data=list)["data"]
+        for item in models:
+            model = shaped(item, _MODELS, self._server, id=str, max_model_len=int | None)
+            if model["id"] == self.model_name:
+                return model.get("max_model_len")
+        return None
+
+    def _check_window(self, prompt: str, sampling: SamplingParams) -> None:
+        """Refuse ``prompt`` as a local backend would (see the module docstring)."""
+        window = self.context_window
+        if window is not None:
+            prompt_tokens = len(self.tokenizer.encode(prompt, add_special_tokens=False))
+            tokens_to_generate(prompt_tokens, sampling, window)
+
+    def _refusal(self, response: httpx.Response, where: str = _COMPLETIONS) -> Exception:
+        """The error for a failed ``response``: the request's fault or the server's."""
+        message, _ = error_message(response.text)
+        status = response.status_code
+        if status == 400 and _OVER_THE_WINDOW.search(message):
+            return PromptTooLongError(f"{self._server} refused the prompt: {message}")
+        if status in (400, 404, 413, 422):
+            return ValueError(f"{self._server} refused {where} ({status}): {message}")
+        return BackendUnavailableError(f"{self._server} answered {where} with {status}: {message}")
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         params = request.sampling

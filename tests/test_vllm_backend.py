@@ -16,7 +16,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from chunkcache.core.cache import ChunkCache
-from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.errors import BackendUnavailableError, PromptTooLongError
 from chunkcache.core.generation import GenerationRequest, GenerationStats, SamplingParams
 from chunkcache.core.model_files import ModelLoadError
 from chunkcache.core.prompting import generate
@@ -37,6 +37,11 @@ class ChatMLTokenizer:
     ) -> str:
         turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return turns + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[str]:
+        """One token per word."""
+        assert add_special_tokens is False
+        return text.split()
 
 
 def sse(*events: dict[str, Any]) -> bytes:
@@ -74,12 +79,26 @@ class FakeVllm:
         return dict(json.loads(self.requests[index].content))
 
 
-def make_backend(handler: Any, **kwargs: Any) -> VllmBackend:
+def models(window: int | None) -> httpx.Response:
+    """vLLM's GET /v1/models answer for the model "smol" and its context window."""
+    return httpx.Response(200, json={"data": [{"id": "smol", "max_model_len": window}]})
+
+
+def make_backend(
+    handler: Any, window: int | None = 2048, tokenizer: Any = None, **kwargs: Any
+) -> VllmBackend:
+    """A backend on ``handler``, GET /v1/models answering ``window`` (words: see encode)."""
+
+    def route(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return models(window)
+        return handler(request)
+
     return VllmBackend(
         "http://vllm.test:8000/v1",
         "smol",
-        tokenizer=ChatMLTokenizer(),
-        transport=httpx.MockTransport(handler),
+        tokenizer=tokenizer or ChatMLTokenizer(),
+        transport=httpx.MockTransport(route),
         **kwargs,
     )
 
@@ -156,6 +175,108 @@ def test_server_without_prompt_tokens_details_reports_no_reuse() -> None:
 def test_failures_raise_backend_unavailable(handler: Any) -> None:
     with pytest.raises(BackendUnavailableError, match=r"vLLM"):
         generate(make_backend(handler), request())
+
+
+# request()'s prompt in ChatMLTokenizer.encode's tokens (words)
+PROMPT_TOKENS = len(f"<|im_start|>user\n{CHUNK}Q?".split())
+
+
+@pytest.mark.parametrize(
+    ("window", "sampling"),
+    [
+        pytest.param(PROMPT_TOKENS, {"max_tokens": 1, "fit_window": True}, id="no-room"),
+        pytest.param(PROMPT_TOKENS + 4, {"max_tokens": 5}, id="no-room-for-max-tokens"),
+    ],
+)
+def test_a_prompt_over_the_window_is_refused_before_it_is_sent(
+    window: int, sampling: dict[str, Any]
+) -> None:
+    server = FakeVllm()
+    with pytest.raises(PromptTooLongError, match=f"context window of {window}"):
+        generate(make_backend(server, window=window), request(**sampling))
+    assert server.requests == []
+
+
+def test_fit_window_sends_max_tokens_for_vllm_to_cut() -> None:
+    server = FakeVllm()
+    backend = make_backend(server, window=PROMPT_TOKENS + 4)
+    generate(backend, request(max_tokens=4))  # exactly fills the window
+    generate(backend, request(max_tokens=100, fit_window=True))
+    assert [server.body(i)["max_tokens"] for i in (0, 1)] == [4, 100]
+
+
+def test_the_window_is_asked_once() -> None:
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return models(2048) if request.url.path == "/v1/models" else FakeVllm()(request)
+
+    backend = VllmBackend(
+        "http://vllm.test",
+        "smol",
+        tokenizer=ChatMLTokenizer(),
+        transport=httpx.MockTransport(handler),
+    )
+    for _ in range(3):
+        generate(backend, request())
+    assert asked == ["/v1/models"] + ["/v1/completions"] * 3
+
+
+@pytest.mark.parametrize(
+    "models_answer",
+    [
+        pytest.param(models(None), id="no-max-model-len"),
+        pytest.param(httpx.Response(200, json={"data": [{"id": "other"}]}), id="other-model"),
+        pytest.param(httpx.Response(404, text="Not Found"), id="no-models-endpoint"),
+    ],
+)
+def test_without_a_known_window_the_prompt_is_not_counted(models_answer: httpx.Response) -> None:
+    server = FakeVllm()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return models_answer if request.url.path == "/v1/models" else server(request)
+
+    backend = VllmBackend(
+        "http://vllm.test",
+        "smol",
+        tokenizer=object(),  # cannot encode
+        transport=httpx.MockTransport(handler),
+    )
+    assert generate(backend, request())[0] == "Paris is it."
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "error"),
+    [
+        pytest.param(
+            400,
+            "This model's maximum context length is 2048 tokens. However, your prompt "
+            "contains 3000 input tokens",
+            PromptTooLongError,
+            id="context-length",
+        ),
+        pytest.param(
+            400,
+            "The decoder prompt (length 3000) is longer than the maximum model length of 2048.",
+            PromptTooLongError,
+            id="model-length",
+        ),
+        pytest.param(400, "temperature must be non-negative", ValueError, id="bad-request"),
+        pytest.param(404, "The model `smol` does not exist.", ValueError, id="unknown-model"),
+    ],
+)
+def test_a_refused_request_is_the_callers_error_not_an_unavailable_server(
+    status: int, message: str, error: type[Exception]
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"error": {"message": message, "type": "BadRequestError", "code": status}}
+        return httpx.Response(status, json=body)
+
+    with pytest.raises(error) as raised:
+        generate(make_backend(handler), request())
+    assert not isinstance(raised.value, BackendUnavailableError)
+    assert message in str(raised.value) and "vLLM at http://vllm.test:8000" in str(raised.value)
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -334,3 +455,32 @@ def test_real_vllm_through_langchain_reports_cache_read(real_backend: VllmBacken
     assert usage is not None and usage["input_tokens"] > 16
     assert usage["input_token_details"]["cache_read"] > 0
     assert answers[-1].response_metadata["chunkcache"]["policy"] == "prefix"
+
+
+class UndercountingTokenizer:
+    """Counts no tokens, so every prompt reaches the server's own check."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return []
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_prompts_over_the_window(real_backend: VllmBackend, vllm_url: str) -> None:
+    assert real_backend.context_window == 2048
+    words = real_backend.render_chat([{"role": "user", "content": "word " * 1990}])
+    near_full = GenerationRequest([TextSegment(words)], sampling=SamplingParams(max_tokens=100))
+    with pytest.raises(PromptTooLongError, match="to generate exceed"):
+        generate(real_backend, near_full)
+    fitted = GenerationRequest(
+        [TextSegment(words)], sampling=SamplingParams(max_tokens=100, fit_window=True)
+    )
+    _, stats = generate(real_backend, fitted)  # vLLM cuts max_tokens to the room
+    assert stats.prompt_tokens + stats.completion_tokens <= 2048
+    assert 1 <= stats.completion_tokens < 100
+    # The server's own refusal of a prompt this backend let through is read as such.
+    uncounted = VllmBackend(vllm_url, "SmolLM2-135M-Instruct", tokenizer=UndercountingTokenizer())
+    too_long = GenerationRequest([TextSegment("word " * 3000)], sampling=SamplingParams())
+    with pytest.raises(PromptTooLongError, match="refused the prompt"):
+        generate(uncounted, too_long)
+    uncounted.close()
