@@ -310,12 +310,16 @@ class _CorpusIndexes:
         self._held = chroma_dir
 
     def _remove_unused_chroma(self) -> None:
-        """Remove the ``chroma-*`` directories that neither ``chroma.current`` names nor any
-        process holds: those of builds that were killed or lost to a concurrent one."""
+        """Remove the Chroma directories that neither ``chroma.current`` names nor any
+        process holds: those of builds that were killed or lost to a concurrent one, the
+        legacy ``chroma/`` once replaced, and lock files whose directory is gone."""
         keep = {self._current_chroma_path(), self._held}
-        for path in self.directory.glob("chroma-*"):
-            if path.is_dir() and path not in keep and remove_unheld(path):
-                logger.info("removed unused Chroma directory %s", path)
+        names = {path.name.removesuffix(".lock") for path in self.directory.glob("chroma-*")}
+        candidates = [self.directory / name for name in sorted(names | {"chroma"})]
+        for path in candidates:
+            unused = path not in keep and (path.is_dir() or lock_path(path).exists())
+            if unused and not path.is_symlink() and remove_unheld(path):
+                logger.info("removed unused Chroma directory or lock file %s", path)
 
     def _fill(self, collection: Collection, vectors: np.ndarray, batch_size: int) -> None:
         """Add every chunk with its row of ``vectors``, ``batch_size`` at a time."""

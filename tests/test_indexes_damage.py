@@ -160,6 +160,30 @@ def test_directories_of_killed_builds_are_removed_unless_held(tmp_path: Path) ->
 
 
 @pytest.mark.usefixtures("embed_calls")
+def test_lone_lock_files_and_a_replaced_legacy_index_go_once_unheld(tmp_path: Path) -> None:
+    chunks = load_corpus(max_chunks=12)
+    built = indexes._CorpusIndexes(chunks, tmp_path)
+    expected = _approx(_hits(built))
+    current = _closed_chroma_dir(built)
+    lone = built.directory / "chroma-killedbeforemkdir.lock"  # a build killed that early
+    lone.touch()
+    legacy = built.directory / "chroma"  # where earlier versions built, replaced since
+    (legacy / "segment").mkdir(parents=True)
+    held = hold(lock_path(legacy))  # a process of this version that opened it before
+    assert held is not None
+    try:
+        _closed_chroma_dir(indexes._CorpusIndexes(chunks, tmp_path))
+        assert not lone.exists()
+        assert legacy.is_dir()
+    finally:
+        os.close(held)
+    assert _hits(indexes._CorpusIndexes(chunks, tmp_path)) == expected
+    assert not legacy.exists() and not lock_path(legacy).exists()
+    left = sorted(p.name for p in built.directory.glob("chroma*"))
+    assert left == sorted(["chroma.current", current.name, lock_path(current).name])
+
+
+@pytest.mark.usefixtures("embed_calls")
 def test_a_damaged_index_another_process_uses_is_left_to_it(tmp_path: Path) -> None:
     chunks = load_corpus(max_chunks=12)
     built = indexes._CorpusIndexes(chunks, tmp_path)
