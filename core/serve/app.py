@@ -34,6 +34,7 @@ from chunkcache.core.generation import Backend
 from chunkcache.core.generation import GenerationRequest as EngineRequest
 from chunkcache.core.serve.completions import generate
 from chunkcache.core.serve.errors import ServeError, handle_error, handle_validation_error
+from chunkcache.core.serve.heap_trim import HeapTrimmer
 from chunkcache.core.serve.middleware import ServeMiddleware
 from chunkcache.core.serve.schemas import (
     ChatCompletionBody,
@@ -57,7 +58,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        trimmer = HeapTrimmer(state.settings.trim_heap_s) if state.settings.trim_heap_s else None
+        if trimmer is not None:
+            trimmer.start()
+        try:
+            yield
+        finally:
+            if trimmer is not None:
+                trimmer.stop()
         await anyio.to_thread.run_sync(state.close)
 
     app = FastAPI(title="chunkcache serve", lifespan=lifespan)

@@ -54,6 +54,12 @@ class ServeSettings(BaseSettings):
     shutdown_timeout_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM/SIGINT, finish in-flight work this long"
     )
+    trim_heap_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="return freed heap memory to the OS this often (glibc; 0: never): "
+        "resident memory stays flat under load, at some throughput (docs/serve.md)",
+    )
     retry_after_s: float = Field(
         default=1.0, gt=0, description="least Retry-After of a 429 (more when the queue is long)"
     )
