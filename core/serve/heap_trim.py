@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import threading
 from collections.abc import Callable
 
 __all__ = ["HeapTrimmer"]
-
-logger = logging.getLogger(__name__)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
