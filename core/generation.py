@@ -106,8 +106,8 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        if not 0 <= self.recompute_ratio <= 1:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if not _is_real(self.recompute_ratio) or not 0 <= self.recompute_ratio <= 1:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
 
 
 @dataclass

@@ -45,7 +45,7 @@ class TextStream:
         text, stopped = self._stop.split(self._decode())
         if stopped:
             self.finish_reason = "stop"
-        if len(text) > len(self._emitted) and not text.endswith("\ufffd"):
+        if len(text) > len(self._emitted):  # shorter while bytes still join into a character
             piece, self._emitted = text[len(self._emitted) :], text
             return piece
         return ""
