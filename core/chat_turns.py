@@ -6,13 +6,16 @@ A turn starts at a user message.  Each turn's user message records the ids of th
 chunks it brought under ``additional_kwargs[CHUNK_IDS_KEY]``, so the chunks a history
 holds can be read back from the history itself (after trimming, a failed turn, or a
 save and reload) and the conversation's ledger reset to exactly those (CRAFT §4.3:
-``drop`` is safe only for chunks still in the prompt).
+``drop`` is safe only for chunks still in the prompt).  :func:`held_chunk_ids` also
+checks that each message still holds its chunks' text, for histories an app edits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
+
+from chunkcache.core.chunk_ids import normalize_text
 
 CHUNK_IDS_KEY = "chunk_ids"
 
@@ -28,12 +31,42 @@ M = TypeVar("M", bound=ChatMessageLike)
 
 def recorded_chunk_ids(messages: Sequence[M], is_user: Callable[[M], bool]) -> list[str]:
     """The chunk ids the user messages in ``messages`` recorded, in order."""
-    return [
-        chunk_id
-        for message in messages
-        if is_user(message)
-        for chunk_id in message.additional_kwargs.get(CHUNK_IDS_KEY, ())
-    ]
+    return [chunk_id for message in messages if is_user(message) for chunk_id in _ids_of(message)]
+
+
+def held_chunk_ids(
+    messages: Sequence[M],
+    is_user: Callable[[M], bool],
+    content_of: Callable[[M], str],
+    text_of: Callable[[str], str | None],
+) -> list[str]:
+    """The ids :func:`recorded_chunk_ids` gives, less those whose text (``text_of``, e.g.
+    the chunk registry's ``get``) the recording message no longer holds: an app that
+    rewrote a message but kept its ``additional_kwargs`` took those chunks out of the
+    prompt.  An id whose text ``text_of`` does not know (None: e.g. a history saved by
+    another process) is taken on trust."""
+    held: list[str] = []
+    for message in messages:
+        ids = _ids_of(message) if is_user(message) else []
+        if ids:
+            content = normalize_text(content_of(message))
+            held.extend(cid for cid in ids if _in(text_of(cid), content))
+    return held
+
+
+def _in(text: str | None, content: str) -> bool:
+    """Whether ``content`` holds ``text``; True for an unknown (None) text."""
+    return text is None or normalize_text(text) in content
+
+
+def _ids_of(message: ChatMessageLike) -> list[str]:
+    """The chunk ids ``message`` recorded.  A ``CHUNK_IDS_KEY`` that is not a list of str
+    (set by something else, or a damaged saved history) records none: the ledger then
+    just does not know those chunks, and they are sent again when retrieved."""
+    recorded = message.additional_kwargs.get(CHUNK_IDS_KEY)
+    if not isinstance(recorded, list | tuple):
+        return []
+    return [chunk_id for chunk_id in recorded if isinstance(chunk_id, str)]
 
 
 def trimmed(messages: list[M], max_turns: int | None, is_user: Callable[[M], bool]) -> list[M]:

@@ -8,7 +8,8 @@ is what the multi-turn layout helpers guarantee.
 
 The ledger is bounded: at most ``max_conversations`` (least recently used go
 first), each forgotten ``ttl_s`` seconds after its last use, each holding at
-most ``max_chunks_per_conversation`` ids.  All methods are thread-safe.
+most ``max_chunks_per_conversation`` ids (the ones put in a prompt longest ago go
+first).  All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def check_conversation_id(conversation_id: object) -> str:
             f"conversation id must be 1-{MAX_CONVERSATION_ID_LENGTH} characters"
         )
     return text
+
+
+def _check_chunk_ids(chunk_ids: Iterable[str]) -> None:
+    """Refuse one bare str for ``chunk_ids``: its characters would pass for ids."""
+    if isinstance(chunk_ids, str):
+        raise TypeError("chunk_ids must be a sequence of chunk ids, not one str")
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class ConversationLedger:
         """
         check_dedupe_mode(mode)
         key = check_conversation_id(conversation_id)
+        _check_chunk_ids(chunk_ids)
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -131,6 +139,7 @@ class ConversationLedger:
     def record(self, conversation_id: str, chunk_ids: Iterable[str]) -> None:
         """Mark ``chunk_ids`` as in the conversation's context."""
         key = check_conversation_id(conversation_id)
+        _check_chunk_ids(chunk_ids)
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -138,8 +147,10 @@ class ConversationLedger:
 
     def replace(self, conversation_id: str, chunk_ids: Iterable[str]) -> None:
         """Make ``chunk_ids`` the conversation's whole set, e.g. to match a history that
-        was trimmed or replaced, or that lost a failed turn's chunks."""
+        was trimmed or replaced, or that lost a failed turn's chunks.  Later ids count as
+        more recent: a history's ids go oldest first."""
         key = check_conversation_id(conversation_id)
+        _check_chunk_ids(chunk_ids)
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -160,6 +171,8 @@ class ConversationLedger:
         conversation.last_used = now
         self._conversations.move_to_end(key)
         for cid in chunk_ids:
+            # An id put in a prompt again is as recent as this turn.
+            conversation.chunk_ids.pop(cid, None)
             conversation.chunk_ids[cid] = None
         # Oldest ids go first when a conversation outgrows its bound.
         while len(conversation.chunk_ids) > self.max_chunks_per_conversation:

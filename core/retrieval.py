@@ -25,7 +25,7 @@ from typing import Any
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id_for
-from chunkcache.core.ledger import DedupeMode
+from chunkcache.core.ledger import DedupeMode, check_conversation_id
 from chunkcache.core.ordering import Ordering
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,22 @@ _open_scopes: ContextVar[tuple[RetrievalScope, ...]] = ContextVar(
 def retrieval_scope(cache: ChunkCache, conversation_id: str | None) -> Iterator[RetrievalScope]:
     """Open while a wrapper calls its base retriever: wrappers on ``cache`` reached from
     inside leave the planning to this one.  After it closes, ``scope.conversation_id``
-    is the conversation to plan for (the wrapper's, else a nested wrapper's)."""
-    scope = RetrievalScope(cache, conversation_id)
+    is the conversation to plan for (the wrapper's, else a nested wrapper's).
+
+    An unusable ``conversation_id`` raises :class:`InvalidConversationIdError` here,
+    before the base retriever runs."""
+    scope = RetrievalScope(cache, _checked(conversation_id))
     token = _open_scopes.set((*_open_scopes.get(), scope))
     try:
         yield scope
     finally:
         scope.open = False
         _open_scopes.reset(token)
+
+
+def _checked(conversation_id: str | None) -> str | None:
+    """``conversation_id`` as the ledger keys it, or None for no conversation."""
+    return None if conversation_id is None else check_conversation_id(conversation_id)
 
 
 def conversation_id_from(configurable: Mapping[str, Any] | None) -> str | None:
@@ -113,6 +121,7 @@ def plan_retrieval(
     wrapper that opened it plans the request, so the caller returns ``documents``
     as they are (see the module docstring).
     """
+    conversation_id = _checked(conversation_id)
     outer = next((s for s in _open_scopes.get() if s.cache is cache and s.open), None)
     if outer is not None:
         if outer.conversation_id is None:

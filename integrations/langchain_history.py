@@ -16,8 +16,10 @@ With this layout ``dedupe="drop"`` is safe: every chunk the conversation has
 seen is still in the prompt.  Each turn's user message records its chunk ids
 (``additional_kwargs["chunk_ids"]``), and before every turn the conversation's
 ledger is reset to the chunks still in the history, so a chunk that left it
-(the history was trimmed, cleared or replaced, a turn failed, the process
+(the history was trimmed, cleared, replaced or edited, a turn failed, the process
 restarted over a persisted history) is sent again the next time it is retrieved.
+A user message the app rewrote keeps only the recorded chunks whose text it still
+holds.
 ``max_history_turns`` trims the history so a long chat stays inside the context
 window (CRAFT §4.3 drops the earliest turns; their answers carry what they said).
 
@@ -47,7 +49,12 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.fallbacks import RunnableWithFallbacks
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
-from chunkcache.core.chat_turns import CHUNK_IDS_KEY, recorded_chunk_ids, trimmed
+from chunkcache.core.chat_turns import (
+    CHUNK_IDS_KEY,
+    held_chunk_ids,
+    recorded_chunk_ids,
+    trimmed,
+)
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 
 __all__ = [
@@ -157,7 +164,9 @@ def with_chunk_history(
     def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
         conversation_id = conversation_of(config)
         if chunk_retriever is not None and conversation_id is not None:
-            chunk_retriever.cache.ledger.replace(conversation_id, chunk_ids_in(messages))
+            cache = chunk_retriever.cache
+            held = held_chunk_ids(messages, _is_user, _text_of, cache.registry.get)
+            cache.ledger.replace(conversation_id, held)
 
     def prepare(config: RunnableConfig) -> None:
         history = session_history(config)
@@ -236,3 +245,7 @@ def chunk_ids_in(messages: Sequence[BaseMessage]) -> list[str]:
 
 def _is_user(message: BaseMessage) -> bool:
     return isinstance(message, HumanMessage)
+
+
+def _text_of(message: BaseMessage) -> str:
+    return str(message.text)

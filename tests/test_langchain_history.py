@@ -11,7 +11,7 @@ from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import (
@@ -22,6 +22,7 @@ from langchain_core.runnables import (
 )
 
 from chunkcache.core import ChunkCache
+from chunkcache.core.errors import InvalidConversationIdError
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_history import (
@@ -260,3 +261,44 @@ def test_a_history_factory_without_arguments_works() -> None:
     )
     conversation.ask("0", "2")
     assert facts_in(conversation.prompts[-1]) == TEXTS[:5]
+
+
+def test_a_message_the_app_edited_gives_back_the_chunks_it_lost() -> None:
+    """An app that rewrites an earlier user message (keeping its ``additional_kwargs``)
+    took that message's chunks out of the prompt: ``drop`` must send them again."""
+    conversation = Conversation()
+    conversation.ask("0")  # facts 0-2
+    messages = conversation.histories["conv-1"].messages
+    edited = str(messages[0].content).replace(TEXTS[1], "(removed)")
+    messages[0] = messages[0].model_copy(update={"content": edited})
+    conversation.ask("1")  # facts 1-3: fact 1 is no longer in the history
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:4]
+
+
+@pytest.mark.parametrize("recorded", [None, 5, "abc", {"id": 1}, ["x", 2]])
+def test_a_chunk_ids_entry_of_another_shape_records_no_chunk(recorded: object) -> None:
+    """``additional_kwargs["chunk_ids"]`` set by something else (or a damaged saved
+    history) neither crashes a turn nor passes its characters off as chunk ids."""
+    message = HumanMessage(content="hello", additional_kwargs={"chunk_ids": recorded})
+    assert chunk_ids_in([message]) == (["x"] if recorded == ["x", 2] else [])
+    histories = {"conv-1": InMemoryChatMessageHistory(messages=[message, AIMessage("hi")])}
+    conversation = Conversation(histories=histories)
+    conversation.ask("0")
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:3]
+
+
+def test_an_empty_session_id_is_a_clear_error() -> None:
+    conversation = Conversation()
+    with pytest.raises(InvalidConversationIdError):
+        conversation.chain.invoke(
+            {"question": "0"}, config=RunnableConfig(configurable={"session_id": ""})
+        )
+
+
+@pytest.mark.parametrize("session_id", ["x" * 300, "会話-😀", 42])
+def test_long_unicode_and_int_session_ids_name_a_conversation(session_id: object) -> None:
+    conversation = Conversation()
+    config = RunnableConfig(configurable={"session_id": session_id})
+    for question in ("0", "1"):
+        conversation.chain.invoke({"question": question}, config=config)
+    assert facts_in(conversation.prompts[-1]) == TEXTS[:4]  # fact 1-2 not sent twice

@@ -241,6 +241,28 @@ def test_a_turn_larger_than_the_bound_keeps_everything_and_records_the_last() ->
     assert ledger.seen("c") == {"c", "d"}
 
 
+def test_an_id_put_in_a_prompt_again_is_recent_again() -> None:
+    """The bound evicts the ids a prompt carried longest ago: an id just marked again is
+    in this turn's prompt, so an older one goes first."""
+    ledger = ConversationLedger(max_chunks_per_conversation=2)
+    ledger.apply("c", ["a", "b"], "mark")
+    ledger.apply("c", ["a"], "mark")
+    ledger.apply("c", ["c"], "mark")
+    assert ledger.seen("c") == {"a", "c"}
+    ledger.replace("r", ["x", "y", "x"])  # a history that repeats x: its last copy counts
+    ledger.record("r", ["z"])
+    assert ledger.seen("r") == {"x", "z"}
+
+
+@pytest.mark.parametrize("method", ["apply", "record", "replace"])
+def test_one_bare_str_of_ids_is_refused(method: str) -> None:
+    ledger = ConversationLedger()
+    args: tuple[object, ...] = ("c", "abc", "drop") if method == "apply" else ("c", "abc")
+    with pytest.raises(TypeError, match="not one str"):
+        getattr(ledger, method)(*args)
+    assert "c" not in ledger
+
+
 def test_many_threads_lose_no_ids() -> None:
     ledger = ConversationLedger()
     num_threads, per_thread = 8, 200
@@ -331,10 +353,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert result.dropped == [c for c in unique if c not in expected_kept]
         if mode == "off":
             return
-        recorded = list(before)
-        for cid in expected_kept:
-            if cid not in recorded:
-                recorded.append(cid)
+        recorded = [cid for cid in before if cid not in expected_kept] + expected_kept
         self.model.pop(conversation, None)
         self.model[conversation] = (recorded[-self.MAX_CHUNKS :], self.clock.now)
         while len(self.model) > self.MAX_CONVERSATIONS:
