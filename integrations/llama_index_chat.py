@@ -49,10 +49,11 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.settings import Settings
 
 from chunkcache.core.cache import ChunkCache
-from chunkcache.core.chat_turns import CHUNK_IDS_KEY, recorded_chunk_ids, trimmed
+from chunkcache.core.chat_turns import CHUNK_IDS_KEY, held_chunk_ids, trimmed
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
+from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
 __all__ = [
     "CHUNK_IDS_KEY",
@@ -74,7 +75,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
     Args:
         retriever: a :class:`ChunkCacheRetriever` bound to a conversation id
             (:meth:`from_defaults` builds one).
-        llm: the chat model.
+        llm: the chat model; a :class:`~chunkcache.integrations.llama_index_llm.ChunkCacheLLM`
+            is bound to the engine's conversation (one bound to another raises ValueError).
         system_prompt: the first message of every prompt, never changed.
         context_template: the user message of a turn with new chunks; it gets
             ``{context_str}`` (the chunks, each rendered with its LLM metadata,
@@ -111,7 +113,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
             ) from error
         self._retriever = retriever
         self._conversation_id: str = retriever.conversation_id
-        self._llm = llm
+        self._llm = _bound(llm, self._conversation_id)
         self._system_message = ChatMessage(role=llm.metadata.system_role, content=system_prompt)
         self._context_template = context_template
         self._max_history_turns = max_history_turns
@@ -133,12 +135,17 @@ class ChunkCacheChatEngine(BaseChatEngine):
         context_template: str = DEFAULT_CONTEXT_TEMPLATE,
         max_history_turns: int | None = None,
     ) -> ChunkCacheChatEngine:
-        """Wrap ``retriever`` for a new conversation (a random id unless given)."""
+        """Wrap ``retriever`` for a new conversation (a random id unless given), on
+        ``cache``: by default a :class:`ChunkCacheLLM`'s own (the cache whose chunks the
+        LLM looks for), else the process-wide one."""
         if isinstance(retriever, ChunkCacheRetriever):
             raise TypeError(
                 "from_defaults wraps a base retriever; for a ChunkCacheRetriever use "
                 "ChunkCacheChatEngine(retriever.for_conversation(id), llm)"
             )
+        llm = llm or Settings.llm
+        if cache is None and isinstance(llm, ChunkCacheLLM):
+            cache = llm.cache
         wrapped = ChunkCacheRetriever(
             retriever,
             cache=cache,
@@ -148,7 +155,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         )
         return cls(
             wrapped,
-            llm or Settings.llm,
+            llm,
             system_prompt=system_prompt,
             context_template=context_template,
             max_history_turns=max_history_turns,
@@ -258,15 +265,33 @@ class ChunkCacheChatEngine(BaseChatEngine):
             self._settle([*self._history, user, answer])
 
     def _settle(self, history: list[ChatMessage]) -> None:
-        """Make ``history``, trimmed, the engine's, and the ledger exactly its chunks."""
+        """Make ``history``, trimmed, the engine's, and the ledger exactly its chunks (those
+        a user message recorded and still holds: a history passed in may have been edited)."""
         self._history = trimmed(history, self._max_history_turns, _is_user)
-        self._retriever.cache.ledger.replace(
-            self._conversation_id, recorded_chunk_ids(self._history, _is_user)
+        cache = self._retriever.cache
+        held = held_chunk_ids(self._history, _is_user, _text_of, cache.registry.get)
+        cache.ledger.replace(self._conversation_id, held)
+
+
+def _bound(llm: LLM, conversation_id: str) -> LLM:
+    """``llm``; a :class:`ChunkCacheLLM` bound to ``conversation_id``, so the engine keeps
+    each turn's KV for the next turn's prompt, which extends it."""
+    if not isinstance(llm, ChunkCacheLLM) or llm.conversation_id == conversation_id:
+        return llm
+    if llm.conversation_id is not None:
+        raise ValueError(
+            f"the llm is bound to conversation {llm.conversation_id!r}, "
+            f"the engine's is {conversation_id!r}"
         )
+    return llm.for_conversation(conversation_id)
 
 
 def _is_user(message: ChatMessage) -> bool:
     return message.role == MessageRole.USER
+
+
+def _text_of(message: ChatMessage) -> str:
+    return message.content or ""
 
 
 def _for_llm(message: ChatMessage) -> ChatMessage:

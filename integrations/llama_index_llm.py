@@ -2,8 +2,9 @@
 
 The chunks a :class:`~chunkcache.integrations.llama_index.ChunkCacheRetriever`
 returned are found in the prompt by exact text, whatever template built it.
-``chat``/``stream_chat`` render the messages with the backend's chat template;
-``complete``/``stream_complete`` send the prompt as it is (after
+``chat``/``stream_chat`` render the messages with the backend's chat template (on a
+model without one, a base model, with ``messages_to_prompt``, as LlamaIndex does for
+completion models); ``complete``/``stream_complete`` send the prompt as it is (after
 ``completion_to_prompt`` unless ``formatted=True``): a completion, no chat template.
 
 >>> llm = ChunkCacheLLM(max_tokens=64).for_conversation("user-42")  # doctest: +SKIP
@@ -15,12 +16,10 @@ Every final response carries the backend's
 and in ``raw`` (with an OpenAI-style ``raw["usage"]``, which LlamaIndex's token
 counter reads); in a stream, the last response does.
 
-With :class:`~chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine`, bind
-the LLM to the engine's conversation (the engine does not pass its id to the LLM)::
+:class:`~chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine` binds the
+LLM to the engine's conversation itself::
 
-    engine = ChunkCacheChatEngine.from_defaults(
-        retriever, llm=ChunkCacheLLM().for_conversation("user-42"), conversation_id="user-42"
-    )
+    engine = ChunkCacheChatEngine.from_defaults(retriever, llm=ChunkCacheLLM())
 
 Per-call keywords: ``chunks`` (nodes, or (chunk id, text) pairs, for chunks the
 registry does not hold), ``conversation_id``, ``recompute``, ``recompute_ratio``,
@@ -33,6 +32,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -56,6 +58,7 @@ from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
+    Backend,
     GenerationRequest,
     GenerationStats,
     Policy,
@@ -93,7 +96,9 @@ class ChunkCacheLLM(LLM):
     omitted); ``recompute`` and ``recompute_ratio`` choose the recompute policy;
     ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``stop`` and ``seed``
     decode.  ``metadata.context_window`` is the backend's ``context_window`` if it
-    has one, else LlamaIndex's default (3900 tokens).
+    has one, else LlamaIndex's default (3900 tokens); ``metadata.is_chat_model`` is
+    False when the backend's tokenizer has no chat template (a base model), so
+    LlamaIndex's query engines send it completions rather than chat messages.
     """
 
     cache: CacheField = Field(default_factory=default_cache, exclude=True)
@@ -102,7 +107,7 @@ class ChunkCacheLLM(LLM):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] | None = None
     seed: int | None = None
     conversation_id: ConversationIdField = None
 
@@ -117,7 +122,7 @@ class ChunkCacheLLM(LLM):
         return LLMMetadata(
             context_window=window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_tokens,
-            is_chat_model=True,
+            is_chat_model=_has_chat_template(backend),
             model_name=backend_model_name(backend),
         )
 
@@ -212,7 +217,11 @@ class ChunkCacheLLM(LLM):
         return self.completion_to_prompt(prompt)
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        return self.cache.backend.render_chat([_chat_message(m) for m in messages])
+        rendered = [_chat_message(m) for m in messages]
+        backend = self.cache.backend
+        if _has_chat_template(backend):
+            return backend.render_chat(rendered)
+        return (self.messages_to_prompt or generic_messages_to_prompt)(messages)
 
     def _request(self, prompt: str, kwargs: dict[str, Any]) -> GenerationRequest:
         options = call_options(self, kwargs)
@@ -228,10 +237,22 @@ def _chat_message(message: ChatMessage) -> dict[str, str]:
             f"ChunkCacheLLM cannot send a {message.role.value!r} message: it supports "
             "system, user and assistant text messages (no tool calling)"
         )
+    if message.additional_kwargs.get("tool_calls"):
+        raise ValueError(
+            f"ChunkCacheLLM cannot send a {message.role.value!r} message with tool calls: "
+            "it supports system, user and assistant text messages (no tool calling)"
+        )
     for block in message.blocks:
         if not isinstance(block, TextBlock):
             raise ValueError(f"ChunkCacheLLM takes text only, got a {block.block_type!r} block")
     return {"role": role, "content": message.content or ""}
+
+
+def _has_chat_template(backend: Backend) -> bool:
+    """False for a backend whose tokenizer has no chat template (a base model), True
+    otherwise (a server without a tokenizer here applies its own template)."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    return tokenizer is None or getattr(tokenizer, "chat_template", None) is not None
 
 
 def _chunk_pairs(

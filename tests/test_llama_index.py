@@ -383,6 +383,18 @@ def test_given_chat_history_replaces_history_and_ledger() -> None:
     assert engine.chat_history[:2] == given
 
 
+def test_a_given_history_whose_message_was_edited_gives_back_the_chunks_it_lost() -> None:
+    engine = make_engine()
+    engine.chat("q1")
+    first, *rest = engine.chat_history
+    assert B in (first.content or "")
+    # The app cut B out of the stored turn but kept its recorded chunk ids.
+    edited = first.model_copy()
+    edited.content = (first.content or "").replace(B, "")
+    assert edited.additional_kwargs[CHUNK_IDS_KEY] == first.additional_kwargs[CHUNK_IDS_KEY]
+    assert texts(engine.chat("q2", chat_history=[edited, *rest]).source_nodes) == [B, D]
+
+
 @pytest.mark.parametrize("lost", ["evicted", "expired"])
 def test_a_ledger_entry_lost_to_its_bounds_is_rebuilt_from_the_history(lost: str) -> None:
     now = [0.0]
