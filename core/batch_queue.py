@@ -65,10 +65,11 @@ class RequestHandle:
     """The consumer's side of a submitted request: an iterator over its generated pieces.
 
     The last piece carries the stats; an error inside the request (e.g. a prompt too long)
-    is raised from the iteration. :meth:`close` (also :meth:`cancel`) cancels the request, and
-    so does dropping the handle before its end, read or not: the scheduler holds only the
-    :class:`Job`, so the handle's finalizer runs once its consumer lets go of it. A cancelled
-    request leaves the queue or the batch at the scheduler's next step.
+    is raised from the iteration, and :class:`BackendUnavailableError` once the scheduler
+    thread is gone with the request unfinished. :meth:`close` (also :meth:`cancel`) cancels
+    the request, and so does dropping the handle before its end, read or not: the scheduler
+    holds only the :class:`Job`, so the handle's finalizer runs once its consumer lets go of
+    it. A cancelled request leaves the queue or the batch at the scheduler's next step.
     """
 
     def __init__(self, job: Job, scheduler_alive: Callable[[], bool]) -> None:
@@ -89,22 +90,28 @@ class RequestHandle:
     def __next__(self) -> GenerationChunk:
         if self._ended or self._job.cancelled.is_set():
             raise StopIteration
+        event = self._next_event()
+        if isinstance(event, BaseException):
+            self._ended = True
+            raise event
+        self._ended = event.stats is not None
+        return event
+
+    def _next_event(self) -> Event:
         while True:
             try:
-                event = self._job.events.get(timeout=1.0)
+                return self._job.events.get(timeout=1.0)
             except queue.Empty:
                 if self._job.cancelled.is_set():  # from another thread: no more events come
                     self._ended = True
                     raise StopIteration from None
-                if not self._scheduler_alive():
-                    self._ended = True
-                    raise BackendUnavailableError("the batching scheduler stopped") from None
-                continue
-            if isinstance(event, BaseException):
+                if self._scheduler_alive():
+                    continue
+            try:  # the scheduler's last act before it stopped may have been this job's end
+                return self._job.events.get_nowait()
+            except queue.Empty:
                 self._ended = True
-                raise event
-            self._ended = event.stats is not None
-            return event
+                raise BackendUnavailableError("the batching scheduler stopped") from None
 
 
 class JobQueue(CacheAwareQueue[Job]):

@@ -18,7 +18,7 @@ import torch
 from chunkcache.core.batch_queue import Job, JobQueue, cached_tokens
 from chunkcache.core.batch_step import decode_step
 from chunkcache.core.engine import ChunkEngine
-from chunkcache.core.errors import QueueFullError, ShuttingDownError
+from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk
 from chunkcache.core.sampling import sample_token
 
@@ -63,11 +63,15 @@ class Scheduler:
     def check_open(self) -> None:
         """Raise :class:`ShuttingDownError` or :class:`QueueFullError` if a job would be refused:
         ``max_batch + max_queue`` jobs are in flight already (waiting jobs beyond
-        ``max_queue`` are those the batch has room for and has not admitted yet)."""
+        ``max_queue`` are those the batch has room for and has not admitted yet);
+        :class:`BackendUnavailableError` if the scheduler thread died (nobody would run it)."""
         with self._cond:
             if self._stopping:
                 self._counts["rejected_total"] += 1
                 raise ShuttingDownError("the backend is shutting down")
+            if not self.alive():
+                self._counts["rejected_total"] += 1
+                raise BackendUnavailableError("the batching scheduler stopped")
             self._drop_cancelled_waiting()
             batch_room = max(0, self.max_batch - len(self._running) - self._starting)
             if len(self._waiting) >= self.max_queue + batch_room:
@@ -136,6 +140,8 @@ class Scheduler:
         gone = [job for job in self._running if job.cancelled.is_set()]
         self._running = [job for job in self._running if not job.cancelled.is_set()]
         self._counts["cancelled_total"] += len(gone)
+        for job in gone:
+            job.prefilled = None  # its KV: the consumer may hold its handle for long
 
     def _drop_cancelled_waiting(self) -> None:
         """Under ``_cond``: forget waiting jobs whose consumer left (any thread may)."""
@@ -237,3 +243,4 @@ class Scheduler:
             self._service_s.append(now - job.admitted)
             if job in self._running:
                 self._running.remove(job)
+        job.prefilled = None  # its KV (a conversation's own stays in the engine)

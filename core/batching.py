@@ -52,7 +52,8 @@ class BatchingBackend:
     Stats are those of :class:`LocalBackend` (times counted from :meth:`submit`), plus
     ``extra["queue_s"]`` (time waiting) and ``extra["batch_size"]`` (mean batch size over the
     request's decode steps; 0.0 if it ended at its first token). A request whose stream is
-    closed or dropped before its end is cancelled and frees its batch slot.
+    closed or dropped before its end is cancelled and frees its batch slot; its KV is let go
+    as it ends or leaves the batch, even while its consumer still holds the stream.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class BatchingBackend:
 
         Raises :class:`QueueFullError` (with a retry-after estimate) when ``max_queue``
         requests wait already, :class:`ShuttingDownError` once :meth:`shutdown` began,
+        :class:`BackendUnavailableError` if the scheduler thread died,
         :class:`PromptTooLongError` when a ``fit_window`` prompt leaves no room to generate.
         """
         self._scheduler.check_open()  # refuse before tokenizing when we can
