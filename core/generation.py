@@ -54,7 +54,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.fit_window, bool):
             raise ValueError(f"fit_window must be a bool, got {self.fit_window!r}")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not _is_finite_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -92,6 +92,16 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite_real(value: object) -> bool:
+    """A real number that is finite as a float too (``10**400`` is an int, not a float)."""
+    if not _is_real(value):
+        return False
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
         top = 0.0
     if params.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax((logits - top) / params.temperature, dim=-1)  # probs: [V]
+    probs = torch.softmax((logits - top) / float(params.temperature), dim=-1)  # probs: [V]
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)  # [V] each
         # Drop a token once those before it already hold top_p: the smallest such set.

@@ -23,6 +23,7 @@ from chunkcache.core.sampling import sample_token
         {"temperature": -0.1},
         {"temperature": math.nan},
         {"temperature": math.inf},
+        {"temperature": 10**400},  # an int no float can hold
         {"temperature": "0.5"},
         {"top_p": 0.0},
         {"top_p": math.nan},
@@ -43,6 +44,15 @@ def test_bad_settings_are_refused_with_a_clear_error(bad: dict[str, Any]) -> Non
 
 def test_edge_settings_that_make_sense_are_kept() -> None:
     SamplingParams(max_tokens=1, temperature=0, top_p=1e-9, seed=2**64 - 1, stop=("",))
+    SamplingParams(temperature=10**300)
+
+
+def test_a_huge_temperature_samples_near_uniformly() -> None:
+    params = SamplingParams(temperature=10**300, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.tensor([50.0, 0.0, 0.0, 0.0])  # [V]
+    picks = {sample_token(logits, params, generator) for _ in range(64)}
+    assert picks == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-20])
