@@ -23,6 +23,7 @@ _ID_TAG = b"chunkcache/chunk-id/v1\x00"
 _MAX_ID_LENGTH = 128
 # Used with fullmatch: a `^...$` match would let a trailing newline through.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]+")
+_SCOPE_HEX = 16  # hex digits of a label's hash in a content-bound id
 
 
 def normalize_text(text: str) -> str:
@@ -88,11 +89,17 @@ def content_bound_id(label: str, text: str, namespace: str = "") -> str:
     False
     """
     content = chunk_id(text, namespace)
-    if label == content or label.endswith(f"-{content}"):
+    if label == content or _is_bound_to(label, content):
         return label
-    scope = hashlib.blake2b(digest_size=8)
+    scope = hashlib.blake2b(digest_size=_SCOPE_HEX // 2)
     scope.update(f"{len(namespace)}:{namespace}{label}".encode("utf-8", "surrogatepass"))
     return f"{scope.hexdigest()}-{content}"
+
+
+def _is_bound_to(label: str, content: str) -> bool:
+    """Whether ``label`` is an id :func:`content_bound_id` made for the text ``content``
+    hashes to (a caller's own label merely ending in ``-<hash>`` is not)."""
+    return re.fullmatch(rf"[0-9a-f]{{{_SCOPE_HEX}}}-{content}", label) is not None
 
 
 def chunk_key(chunk_id: str, token_ids: Sequence[int]) -> str:

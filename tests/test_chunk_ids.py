@@ -249,6 +249,16 @@ def test_an_id_given_back_is_kept(namespace: str) -> None:
     assert chunk_id_for("other text", {"chunk_id": bound}, namespace) != bound
 
 
+@pytest.mark.parametrize("prefix", ["my doc", "doc-7", "ABCDEF0123456789", "0123456789abcdef0"])
+def test_a_label_merely_ending_in_the_texts_hash_is_scoped(prefix: str) -> None:
+    """Only ids made here are kept: a caller's label such as ``"my doc-<hash>"`` (not a
+    valid id) is hashed like any other label."""
+    label = f"{prefix}-{chunk_id('text')}"
+    bound = chunk_id_for("text", {"chunk_id": label})
+    assert bound != label
+    assert validate_chunk_id(bound) == bound
+
+
 def test_a_chunk_key_binds_the_id_to_its_tokens() -> None:
     assert chunk_key("doc-7", (1, 2, 3)) != chunk_key("doc-7", (1, 2, 4))
     assert chunk_id_of(chunk_key("doc-7", (1, 2, 3))) == "doc-7"
