@@ -22,6 +22,9 @@ A user message the app rewrote keeps only the recorded chunks whose text it stil
 holds.
 ``max_history_turns`` trims the history so a long chat stays inside the context
 window (CRAFT §4.3 drops the earliest turns; their answers carry what they said).
+Run one turn of a conversation at a time (different conversations may run at once):
+a turn resets the ledger from the history, so a turn started before the previous one
+was saved may leave out a chunk of that unsaved turn.
 
 >>> chain = with_chunk_history(  # doctest: +SKIP
 ...     chunk_chat_prompt("Answer from the context.") | llm,

@@ -36,7 +36,11 @@ from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.integrations.embeddings import MiniLMEmbedding
-from chunkcache.integrations.llama_index import ChunkCacheLLM, ChunkCachePostprocessor
+from chunkcache.integrations.llama_index import (
+    ChunkCacheLLM,
+    ChunkCachePostprocessor,
+    ChunkCacheRetriever,
+)
 from chunkcache.integrations.llama_index_chat import ChunkCacheChatEngine
 from chunkcache.integrations.llama_index_llm import ChunkLike
 
@@ -362,6 +366,14 @@ def test_the_chat_engine_retrieves_into_the_llms_cache() -> None:
     engine.chat("question")
     chunks = [s.text for s in backend.requests[-1].segments if isinstance(s, ChunkSegment)]
     assert chunks == [CHUNK]
+
+
+def test_a_chat_engine_whose_llm_and_retriever_caches_differ_is_refused() -> None:
+    """The LLM looks for chunks in its own cache: on another one it would find none."""
+    llm = ChunkCacheLLM(cache=ChunkCache(backend=FakeBackend()))
+    retriever = ChunkCacheRetriever(_Nodes(), cache=ChunkCache()).for_conversation("c1")
+    with pytest.raises(ValueError, match="different ChunkCaches"):
+        ChunkCacheChatEngine(retriever, llm)
 
 
 class _NoNodes(BaseRetriever):
