@@ -75,6 +75,10 @@ from chunkcache.core.store.metrics import StoreUsage
 from chunkcache.kernels.kv import SeqKV
 
 MAX_CORRUPT_RERUNS = 64  # a request meeting more corrupt entries than this fails
+# KV tokens remembered across conversations: 4 full windows of the default model, at most
+# ~755 MB of bf16 KV on SmolLM2-135M (23,040 B/token) where 32 conversations of 8k tokens
+# would hold ~6 GB.  A forgotten conversation's next turn falls back to the store.
+MAX_CONVERSATION_TOKENS = 32_768
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,16 @@ class Prefilled:
         self.ids.append(token)
 
 
+@dataclass(frozen=True)
+class _Past:
+    """What the engine keeps of a conversation's last sequence: its tokens and their KV,
+    with no spare capacity (nor the logits and stats of its turn)."""
+
+    ids: tuple[int, ...]  # the tokens whose KV ``kv`` holds
+    kv: SeqKV  # capacity == length
+    exact_until: int
+
+
 class ChunkEngine:
     """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`.
 
@@ -124,6 +138,11 @@ class ChunkEngine:
     the CPU (there the loader would take the compute's cores), ``True`` always, ``False``
     never; pipelined reads from slower tiers also raise the recompute ratio to what they
     hide (:mod:`chunkcache.core.store.loading`).
+
+    :meth:`remember` keeps at most ``max_conversations`` conversations' last sequences,
+    holding at most ``max_conversation_tokens`` KV tokens in all (the least recently used,
+    by a turn that read or remembered it, go first; 0 keeps none); a sequence longer than
+    that is not kept, and its conversation's next turn takes its prefix from the store.
     """
 
     def __init__(
@@ -133,13 +152,21 @@ class ChunkEngine:
         max_conversations: int = 32,
         craft: CraftConfig | None = None,
         layer_loading: bool | None = None,
+        max_conversation_tokens: int = MAX_CONVERSATION_TOKENS,
     ) -> None:
+        for name, value in [
+            ("max_conversations", max_conversations),
+            ("max_conversation_tokens", max_conversation_tokens),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.lm = lm
         self.layer_loading = layer_loading
         self.store: KVStore = store if store is not None else MemoryKVStore()
         self.max_conversations = max_conversations
+        self.max_conversation_tokens = max_conversation_tokens
         self.craft = craft if craft is not None else CraftConfig()
-        self._conversations: OrderedDict[str, Prefilled] = OrderedDict()
+        self._conversations: OrderedDict[str, _Past] = OrderedDict()
         self._lock = threading.Lock()
 
     def prefill(
@@ -277,12 +304,36 @@ class ChunkEngine:
             prefilled.append(token)
 
     def remember(self, conversation_id: str, prefilled: Prefilled) -> None:
-        """Keep a conversation's last sequence so its next turn reuses it as a prefix."""
+        """Keep a conversation's last sequence (its KV's used slots only) so its next turn
+        reuses it as a prefix, forgetting the least recently used conversations over
+        ``max_conversations`` or ``max_conversation_tokens``.  A sequence over
+        ``max_conversation_tokens`` on its own is not kept, and its older one is dropped."""
+        length = prefilled.kv.length
+        if length > self.max_conversation_tokens:
+            with self._lock:
+                self._conversations.pop(conversation_id, None)
+            return
+        past = _Past(
+            tuple(prefilled.ids[:length]),
+            _trimmed(prefilled.kv),
+            min(prefilled.exact_until, length),
+        )
         with self._lock:
-            self._conversations[conversation_id] = prefilled
+            self._conversations[conversation_id] = past
             self._conversations.move_to_end(conversation_id)
-            while len(self._conversations) > self.max_conversations:
+            while (
+                len(self._conversations) > self.max_conversations
+                or self._remembered_tokens() > self.max_conversation_tokens
+            ):
                 self._conversations.popitem(last=False)
+
+    def remembered(self) -> dict[str, int]:
+        """The KV tokens kept for each remembered conversation, least recently used first."""
+        with self._lock:
+            return {key: past.kv.length for key, past in self._conversations.items()}
+
+    def _remembered_tokens(self) -> int:
+        return sum(past.kv.length for past in self._conversations.values())
 
     def _take_prefix(
         self,
@@ -305,7 +356,9 @@ class ChunkEngine:
         from_store = sum(variant.num_tokens for variant in hits)
         with self._lock:
             past = self._conversations.get(conversation_id) if conversation_id else None
-        from_past = _common_prefix(ids, past.ids[: past.kv.length]) if past else 0
+            if conversation_id and past is not None:  # a use: the least used go first
+                self._conversations.move_to_end(conversation_id)
+        from_past = _common_prefix(ids, past.ids) if past else 0
         if past is not None and from_past > from_store:
             kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]
             kv.v[:, :, :from_past] = past.kv.v[:, :, :from_past]
@@ -402,6 +455,13 @@ def _layout(segments: Sequence[TokenSegment]) -> tuple[list[int], list[str]]:
         start += len(segment.ids)
         context = extend_context(context, segment.segment_id)
     return starts, contexts
+
+
+def _trimmed(kv: SeqKV) -> SeqKV:
+    """``kv``'s used slots without its spare capacity (copied out when it has some)."""
+    if kv.capacity == kv.length:
+        return SeqKV(kv.k, kv.v, kv.length)
+    return SeqKV(kv.keys().clone(), kv.values().clone(), kv.length)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
