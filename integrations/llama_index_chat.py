@@ -114,7 +114,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
             ) from error
         self._retriever = retriever
         self._conversation_id: str = retriever.conversation_id
-        self._llm = _bound(llm, retriever)
+        self._llm = _bound(llm, retriever.cache, self._conversation_id)
         self._system_message = ChatMessage(role=llm.metadata.system_role, content=system_prompt)
         self._context_template = context_template
         self._max_history_turns = max_history_turns
@@ -274,19 +274,18 @@ class ChunkCacheChatEngine(BaseChatEngine):
         cache.ledger.replace(self._conversation_id, held)
 
 
-def _bound(llm: LLM, retriever: ChunkCacheRetriever) -> LLM:
-    """``llm``; a :class:`ChunkCacheLLM` bound to the retriever's conversation, so the
-    engine keeps each turn's KV for the next turn's prompt, which extends it.  A
-    ChunkCacheLLM on another cache than the retriever's is a ValueError: it looks for the
+def _bound(llm: LLM, cache: ChunkCache, conversation_id: str) -> LLM:
+    """``llm``; a :class:`ChunkCacheLLM` bound to ``conversation_id``, so the engine keeps
+    each turn's KV for the next turn's prompt, which extends it.  A ChunkCacheLLM on
+    another cache than the retriever's (``cache``) is a ValueError: it looks for the
     chunks in its own cache, and would never find one."""
     if not isinstance(llm, ChunkCacheLLM):
         return llm
-    if llm.cache is not retriever.cache:
+    if llm.cache is not cache:
         raise ValueError(
             "the llm and the retriever use different ChunkCaches, so the llm would find none "
             "of the retrieved chunks in its prompts: give both the same cache"
         )
-    conversation_id = retriever.conversation_id
     if llm.conversation_id == conversation_id:
         return llm
     if llm.conversation_id is not None:
