@@ -33,7 +33,8 @@ from chunkcache.core.paths import home_subdir
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: a line longer than a chunk is cut at any whitespace, not only spaces, from its first word.
+FORMAT_VERSION = 2
 # The stdlib sources hold ~1,430 chunks of 1000 chars.  MiniLM embeds one in ~0.1
 # CPU-second, so 1000 chunks take under a minute on 2 cores; taken topic by topic
 # they keep all ~157 topics and at most ~19 chunks of the biggest (distutils, asyncio).
@@ -61,6 +62,8 @@ SKIPPED_NAMES = frozenset(
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?:])\s+")
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+_LAST_SPACE = re.compile(r".*\s", re.DOTALL)  # up to the last whitespace
+_NON_SPACE = re.compile(r"\S")
 _DefNode = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 
 
@@ -246,14 +249,25 @@ def _pack(
 
 
 def _split_words(text: str, budget: int) -> Iterator[str]:
-    """``text`` in pieces of at most ``budget`` characters, broken at spaces if possible."""
-    while len(text) > budget:
-        cut = text.rfind(" ", 0, budget + 1)
-        cut = cut if cut > 0 else budget
-        yield text[:cut].strip()
-        text = text[cut:].strip()
-    if text:
-        yield text
+    """``text`` in pieces of at most ``budget`` characters, broken at whitespace if possible.
+
+    Walks ``text`` by position, copying one window at a time (slicing off the rest at
+    every piece made a 20 MB line take quadratic time)."""
+    start = _next_word(text, 0)
+    while len(text) - start > budget:
+        window = text[start : start + budget + 1]
+        space = _LAST_SPACE.match(window)  # window[0] is no space: a cut is never empty
+        cut = budget if space is None else space.end() - 1
+        yield window[:cut].rstrip()
+        start = _next_word(text, start + cut)
+    if start < len(text):
+        yield text[start:].rstrip()
+
+
+def _next_word(text: str, position: int) -> int:
+    """The position of the first non-space character of ``text`` from ``position`` on."""
+    found = _NON_SPACE.search(text, position)
+    return len(text) if found is None else found.start()
 
 
 def _balanced_subset(chunks: list[CorpusChunk], max_chunks: int) -> list[CorpusChunk]:

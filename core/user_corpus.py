@@ -3,9 +3,10 @@
 ``chunkcache warm`` and ``chunkcache bench rag`` both read a user's corpus here, so what
 one warms is what the other retrieves.  Three sources:
 
-- a folder of ``.txt`` / ``.md`` files, read recursively as UTF-8 and chunked the way
-  the bundled corpus is (paragraphs packed up to ``chunk_chars``, each chunk led by a
-  title line: here the file's path relative to the folder);
+- a folder of ``.txt`` / ``.md`` files, read recursively (UTF-8, or UTF-16/32 with a
+  byte-order mark) and chunked the way the bundled corpus is (paragraphs packed up to
+  ``chunk_chars``, each chunk led by a title line: here the file's path relative to
+  the folder);
 - a persistent Chroma collection, one chunk per stored document, unchanged, so the
   chunks are exactly what a retriever over that collection returns;
 - a questions file: JSON lines (``{"question": ..., "answer": ...}``, answer optional)
@@ -20,12 +21,13 @@ one warms is what the other retrieves.  Three sources:
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from chunkcache.core.chunk_ids import chunk_id, chunk_id_for
@@ -69,10 +71,13 @@ def load_text_folder(
 ) -> list[CorpusChunk]:
     """Chunks of every ``.txt``/``.md`` file under ``folder``, in sorted path order.
 
-    Hidden files and folders are skipped, empty files too (with a warning); a file
-    that is not UTF-8 raises :class:`UserCorpusError`.  A chunk's ``title`` and
-    ``source`` are the file's relative path, its ``topic`` the first folder of that
-    path (or the file's stem for a file at the top).
+    Files are UTF-8, or UTF-16/32 with a byte-order mark; line ends become ``\\n``.
+    Hidden files and folders are skipped; so are, each with a warning naming it, an
+    empty file, a binary one (NUL bytes), a broken symlink and a folder already read
+    (a symlink loop).  A file in another encoding, or a file or folder that cannot be
+    read, raises :class:`UserCorpusError`.  A chunk's ``title`` and ``source`` are the
+    file's relative path, its ``topic`` the first folder of that path (or the file's
+    stem for a file at the top).
     """
     if chunk_chars < MIN_CHUNK_CHARS:
         raise ValueError(f"chunk_chars must be at least {MIN_CHUNK_CHARS}, got {chunk_chars}")
@@ -80,24 +85,33 @@ def load_text_folder(
     if not root.is_dir():
         raise UserCorpusError(f"corpus folder {root} is not a directory")
     chunks: dict[str, CorpusChunk] = {}
-    num_files = 0
-    for path in _text_files(root):
-        num_files += 1
-        relative = path.relative_to(root)
-        text = _read_utf8(path)
-        if not text.strip():
-            warnings.warn(f"skipping empty file {path}", UserWarning, stacklevel=2)
+    files = _text_files(root)
+    for path in files:
+        try:
+            text = _read_text(path).strip()
+        except _BinaryFileError as error:
+            _skip(f"skipping {error}")
             continue
+        if not text:
+            _skip(f"skipping empty file {path}")
+            continue
+        # A name that is not UTF-8 (its bytes kept as lone surrogates) would make text
+        # no tokenizer or index accepts.
+        relative = PurePath(os.fsencode(path.relative_to(root)).decode("utf-8", "replace"))
         title = relative.as_posix()
         topic = relative.parts[0] if len(relative.parts) > 1 else relative.stem
-        pieces = list(split_section(title, text.strip(), chunk_chars))
+        pieces = list(split_section(title, text, chunk_chars))
         if not pieces:
             raise UserCorpusError(f"the path of {path} is too long for {chunk_chars}-char chunks")
         for _, piece in pieces:
             chunk = CorpusChunk(chunk_id(piece), piece, topic, title, title)
             chunks.setdefault(chunk.chunk_id, chunk)
     if not chunks:
-        found = f"only empty ones among {num_files} files" if num_files else "no .txt or .md files"
+        found = (
+            f"only empty or binary files among its {len(files)} .txt/.md files"
+            if files
+            else "no .txt or .md files"
+        )
         raise UserCorpusError(f"corpus folder {root} has {found}")
     return list(chunks.values())
 
@@ -110,7 +124,8 @@ def load_chroma_corpus(
     A chunk's id is the content hash, scoped by ``metadata["chunk_id"]`` if set (as
     ``ChunkCacheRetriever`` assigns them); ``source`` is the Chroma id, ``title`` and
     ``topic`` the metadata's ``title`` / ``topic`` (or ``source``) when present.
-    Entries without text are skipped with a warning.  Nothing is embedded: pass the
+    Entries without text are skipped with a warning; entries with the same text (and
+    ``chunk_id``) are one chunk, the first by Chroma id.  Nothing is embedded: pass the
     collection's ``embedding_function`` only if Chroma insists on it.  A directory
     without ``chroma.sqlite3`` is refused before Chroma opens it (it would make an
     empty database there).
@@ -150,7 +165,10 @@ def load_chroma_corpus(
         )
     if not chunks:
         raise UserCorpusError(f"collection {collection_name!r} in {root} has no documents")
-    return sorted(chunks, key=lambda chunk: chunk.source)
+    unique: dict[str, CorpusChunk] = {}
+    for chunk in sorted(chunks, key=lambda chunk: chunk.source):
+        unique.setdefault(chunk.chunk_id, chunk)  # the same text twice is one chunk
+    return list(unique.values())
 
 
 def chroma_database(persist_dir: str | os.PathLike[str]) -> Path:
@@ -171,7 +189,7 @@ def load_questions(path: str | os.PathLike[str]) -> list[UserQuestion]:
     file = _existing(path, "questions file")
     jsonl = file.suffix.lower() in JSONL_SUFFIXES
     questions: list[UserQuestion] = []
-    for number, line in enumerate(_read_utf8(file).splitlines(), start=1):
+    for number, line in enumerate(_read_text(file).splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{file}:{number}"
@@ -202,22 +220,73 @@ def _existing(path: str | os.PathLike[str], what: str) -> Path:
     return resolved
 
 
-def _text_files(root: Path) -> Iterator[Path]:
-    for path in sorted(root.rglob("*")):
-        hidden = any(part.startswith(".") for part in path.relative_to(root).parts)
-        if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES and not hidden:
-            yield path
+def _text_files(root: Path) -> list[Path]:
+    """The visible ``.txt``/``.md`` files under ``root``, sorted; symlinks followed."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_unreadable, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            _skip(f"skipping folder {dirpath}: it is {real}, read already (a symlink loop?)")
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(name for name in dirnames if not name.startswith("."))
+        for name in filenames:
+            path = Path(dirpath, name)
+            if name.startswith(".") or path.suffix.lower() not in TEXT_SUFFIXES:
+                continue
+            if path.is_file():
+                found.append(path)
+            elif path.is_symlink() and not path.exists():
+                _skip(f"skipping broken symlink {path}")
+    return sorted(found)
 
 
-def _read_utf8(path: Path) -> str:
-    data = path.read_bytes()
+def _unreadable(error: OSError) -> None:
+    raise UserCorpusError(f"cannot read folder {error.filename}: {error.strerror}") from error
+
+
+def _skip(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+class _BinaryFileError(UserCorpusError):
+    """A file holds NUL bytes: it is no text (or UTF-16 without a byte-order mark)."""
+
+
+# (byte-order mark, codec, name); UTF-32's marks first: UTF-32-LE's starts with UTF-16-LE's.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32", "UTF-32"),
+    (codecs.BOM_UTF32_BE, "utf-32", "UTF-32"),
+    (codecs.BOM_UTF8, "utf-8-sig", "UTF-8"),
+    (codecs.BOM_UTF16_LE, "utf-16", "UTF-16"),
+    (codecs.BOM_UTF16_BE, "utf-16", "UTF-16"),
+)
+
+
+def _read_text(path: Path) -> str:
+    """The text of ``path``: UTF-8, or what its byte-order mark says; ``\\r\\n`` and ``\\r``
+    made ``\\n`` (as Python's text mode does), so a file means the same on every system."""
     try:
-        return data.decode("utf-8-sig")
+        data = path.read_bytes()
+    except OSError as error:
+        raise UserCorpusError(f"cannot read {path}: {error.strerror}") from error
+    codec, name = next(((c, n) for bom, c, n in _BOMS if data.startswith(bom)), ("utf-8", "UTF-8"))
+    if name == "UTF-8" and b"\x00" in data:
+        raise _BinaryFileError(
+            f"{path}: binary, it holds NUL bytes (UTF-16 text needs a byte-order mark)"
+        )
+    try:
+        text = data.decode(codec)
     except UnicodeDecodeError as error:
+        fix = "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8"
+        if name != "UTF-8":
+            fix = f"its byte-order mark says {name}, but it is damaged"
         raise UserCorpusError(
-            f"{path} is not UTF-8 (byte {error.start}: {error.reason}); convert it first, "
-            f"e.g. iconv -f latin1 -t utf-8"
+            f"{path} is not {name} (byte {error.start}: {error.reason}); {fix}"
         ) from error
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _chroma_entries(collection: Any) -> Iterator[tuple[str, str | None, dict[str, Any]]]:

@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from chunkcache.core.chunk_ids import check_unicode
+from chunkcache.core.errors import InvalidTextError
+
 if TYPE_CHECKING:
     from langchain_core.embeddings import Embeddings
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -51,9 +54,21 @@ def get_model() -> SentenceTransformer:
 
 
 def embed_texts(texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
-    """Unit-length embeddings of ``texts``: float32 ``[N, 384]``."""
+    """Unit-length embeddings of ``texts``: float32 ``[N, 384]``.
+
+    A text that is no ``str`` raises ``TypeError``, one that is not valid Unicode (a lone
+    surrogate) :class:`~chunkcache.core.errors.InvalidTextError`, each naming the text's
+    position (the tokenizer's own error names neither).
+    """
     if not texts:
         return np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
+    for number, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"text {number} must be str, got {type(text).__name__}")
+        try:
+            check_unicode(text)
+        except InvalidTextError as error:
+            raise InvalidTextError(f"text {number}: {error}") from None
     model = get_model()
     with _encode_lock:
         vectors = model.encode(

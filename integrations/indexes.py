@@ -110,10 +110,15 @@ def langchain_chunks_retriever(chunks: Sequence[CorpusChunk], k: int = 5) -> Bas
     """A LangChain Chroma retriever (MiniLM) over any ``chunks``, e.g. a user's own corpus.
 
     The index is built once under ``CHUNKCACHE_HOME``, keyed by the chunks' content.
+    Chunks with the same id (the same text, e.g. one document stored twice) are indexed
+    once, as the first of them.
     """
     if not chunks:
         raise ValueError("no chunks to index")
-    return _langchain_chroma_retriever(_indexes_of(tuple(chunks)), k)
+    unique: dict[str, CorpusChunk] = {}
+    for chunk in chunks:
+        unique.setdefault(chunk.chunk_id, chunk)  # Chroma refuses an id given twice
+    return _langchain_chroma_retriever(_indexes_of(tuple(unique.values())), k)
 
 
 def _langchain_chroma_retriever(indexes: _CorpusIndexes, k: int) -> BaseRetriever:
