@@ -9,6 +9,9 @@ chunkcache serve [--port P]     an OpenAI-compatible server over the engine (doc
 from __future__ import annotations
 
 import argparse
+import copy
+import errno
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,8 +87,32 @@ def _store_settings(config: Path | None) -> StoreSettings:
         raise UsageError(f"{config}: {error}") from error
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help that states every option's default (options without a help text too), unless
+    it is None, empty or a flag's False."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        default = action.default
+        shown = not (default is None or default is False or default in ("", argparse.SUPPRESS))
+        if shown and action.option_strings and action.help != argparse.SUPPRESS:
+            help_text = action.help or ""
+            if "%(default)" not in help_text:
+                action = copy.copy(action)
+                action.help = f"{help_text} (default: %(default)s)".lstrip()
+        super().add_argument(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help, and its subcommands' help, states defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkcache", description="Chunk-KV cache for RAG.")
+    """The ``chunkcache`` parser, its subcommands and their options."""
+    parser = _Parser(prog="chunkcache", description="Chunk-KV cache for RAG.")
     commands = parser.add_subparsers(dest="command", required=True)
     models = commands.add_parser("models", help="manage models").add_subparsers(
         dest="models_command", required=True
@@ -112,9 +139,19 @@ def _add_warm_parser(commands: Any) -> None:
     )
     warm.add_argument("--collection", default="langchain", help="the Chroma collection")
     warm.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
-    warm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    warm.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "float16"],
+        help="model dtype",
+    )
     warm.add_argument("--prefix", default="", help="text before each chunk (the system prompt)")
-    warm.add_argument("--policy", default="full", choices=["full", "cachecraft"])
+    warm.add_argument(
+        "--policy",
+        default="full",
+        choices=["full", "cachecraft"],
+        help="cachecraft: also measure the metadata its serving policy needs",
+    )
     warm.add_argument(
         "--chunk-chars",
         type=bounded_int(MIN_CHUNK_CHARS),
@@ -130,7 +167,37 @@ def _serve(args: argparse.Namespace) -> None:
     from chunkcache.core.serve import ServeSettings, run_server
 
     given = {"host": args.host, "port": args.port, "model": args.model}
-    run_server(ServeSettings(**{k: v for k, v in given.items() if v is not None}))
+    settings = ServeSettings(**{k: v for k, v in given.items() if v is not None})
+    _check_can_listen(settings.host, settings.port)  # before the model loads, not after
+    run_server(settings)
+
+
+# Errors for an address of a family this machine lacks, which asyncio skips:
+_FAMILY_NOT_HERE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """:class:`UsageError` unless ``host:port`` can be bound now (a port in use, a host that
+    does not resolve or is not this machine's), each address bound as asyncio binds it."""
+    problem = f"cannot listen on {host}:{port}"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as error:
+        raise UsageError(f"{problem}: {error.strerror}") from error
+    skipped: list[OSError] = []
+    for family, kind, proto, _, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except OSError as error:
+            if error.errno not in _FAMILY_NOT_HERE:
+                raise UsageError(f"{problem}: {error.strerror}") from error
+            skipped.append(error)
+    if skipped and len(skipped) == len(addresses):  # none bound
+        raise UsageError(f"{problem}: {skipped[0].strerror}")
 
 
 def _add_serve_parser(commands: Any) -> None:

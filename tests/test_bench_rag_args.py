@@ -60,7 +60,6 @@ QUESTIONS = "--questions {tmp}/questions.txt"
         ("--k 1", "--k 1 is fewer than the 2 chunks some gold questions need: use --k 2 or more"),
         (f"{CORPUS} {QUESTIONS} --k 1", "--k 1 is fewer than the 2 chunks some gold questions"),
         ("--min-turns 3 --max-turns 2", "--min-turns 3 is more than --max-turns 2"),
-        ("--out {tmp}/questions.txt", "--out {tmp}/questions.txt is a file, not a folder"),
         # the data itself, read before a model loads
         (f"--corpus-dir {{tmp}}/empty {QUESTIONS}", "corpus folder {tmp}/empty has no .txt or"),
         (f"{CORPUS} --questions {{tmp}}/blank.txt", "questions file {tmp}/blank.txt has no"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
+
+REPORTS = "docs/benchmarks"  # --out's default, a string so that argparse checks it as well
+CONVERSATIONS = "multi-turn conversations in the workload"
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -30,6 +34,7 @@ def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int
 
 
 POSITIVE = bounded_int(1)
+SEED = bounded_int(0, 2**64 - 1)  # what torch.manual_seed takes (and serve's seed field)
 
 
 def positive_float(text: str) -> float:
@@ -58,6 +63,19 @@ def _existing(text: str, check: Callable[[Path], bool], what: str) -> Path:
     if not check(path):
         problem = f"is not {what}" if path.exists() else "does not exist"
         raise argparse.ArgumentTypeError(f"{path} {problem}")
+    return path
+
+
+def report_dir(text: str) -> Path:
+    """An argparse ``type``: a folder the reports can be written to, or one that can be made
+    (so a run does not end with its reports unwritable)."""
+    path = Path(text).expanduser()
+    nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not nearest.is_dir():
+        problem = "is a file, not a folder" if nearest == path else f"is under a file, {nearest}"
+        raise argparse.ArgumentTypeError(f"{path} {problem}")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{path}: {nearest} is not writable")
     return path
 
 
@@ -163,15 +181,17 @@ def add_bench_parser(commands: Any) -> None:
     engine = bench.add_parser(
         "engine", help="recompute policies vs full prefill: quality (float32) and TTFT (bf16)"
     )
-    engine.add_argument("--prompts", type=POSITIVE, default=50)
+    engine.add_argument("--prompts", type=POSITIVE, default=50, help="RAG prompts")
     engine.add_argument("--quick", action="store_true", help="8 prompts, 1 round (smoke test)")
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--seed", type=SEED, default=0, help="seed of the prompts")
     engine.add_argument("--rounds", type=POSITIVE, default=3, help="timed rounds per prompt")
-    engine.add_argument("--answer-tokens", type=POSITIVE, default=32)
+    engine.add_argument(
+        "--answer-tokens", type=POSITIVE, default=32, help="tokens generated per prompt"
+    )
     # engine_bench.PARTS, spelled out so the parser does not import torch
     parts = ("all", "quality", "quality-reordered", "speed")
-    engine.add_argument("--part", choices=parts, default="all")
-    engine.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    engine.add_argument("--part", choices=parts, default="all", help="what to measure")
+    engine.add_argument("--out", type=report_dir, default=REPORTS, help="report folder")
     engine.set_defaults(run=_engine)
     _add_rag_parser(bench)
     _add_store_parser(bench)
@@ -179,11 +199,11 @@ def add_bench_parser(commands: Any) -> None:
         "vllm", help="vLLM prefix caching: chunkcache's layout vs plain LangChain, side by side"
     )
     vllm.add_argument("--quick", action="store_true", help="a few requests, eager vLLM")
-    vllm.add_argument("--conversations", type=POSITIVE, default=24)
+    vllm.add_argument("--conversations", type=POSITIVE, default=24, help=CONVERSATIONS)
     vllm.add_argument(
         "--gold-questions", type=bounded_int(0), default=48, help="0: no gold workload"
     )
-    vllm.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    vllm.add_argument("--out", type=report_dir, default=REPORTS, help="report folder")
     vllm.set_defaults(run=_vllm)
     _add_summary_parser(bench)
     from chunkcache.core.serve.loadtest_run import add_bench_serve_parser
@@ -196,9 +216,13 @@ def _add_rag_parser(bench: Any) -> None:
         "rag", help="every system replays the same RAG workload: TTFT, throughput, quality"
     )
     rag.add_argument("--quick", action="store_true", help="a few requests (smoke test)")
-    rag.add_argument("--conversations", type=POSITIVE, default=24)
-    rag.add_argument("--min-turns", type=POSITIVE, default=2)
-    rag.add_argument("--max-turns", type=POSITIVE, default=5)
+    rag.add_argument("--conversations", type=POSITIVE, default=24, help=CONVERSATIONS)
+    rag.add_argument(
+        "--min-turns", type=POSITIVE, default=2, help="turns per conversation, at least"
+    )
+    rag.add_argument(
+        "--max-turns", type=POSITIVE, default=5, help="turns per conversation, at most"
+    )
     rag.add_argument("--single-turn", action="store_true", help="one turn per conversation")
     rag.add_argument(
         "--gold-questions", type=bounded_int(0), default=48, help="0: no gold workload"
@@ -212,7 +236,7 @@ def _add_rag_parser(bench: Any) -> None:
     )
     rag.add_argument("--max-tokens", type=POSITIVE, default=32, help="answer tokens")
     rag.add_argument("--rate", type=positive_float, default=0.5, help="Poisson arrivals per second")
-    rag.add_argument("--seed", type=int, default=0)
+    rag.add_argument("--seed", type=SEED, default=0, help="seed of the workload and arrivals")
     rag.add_argument(
         "--system",
         action="append",
@@ -225,7 +249,7 @@ def _add_rag_parser(bench: Any) -> None:
     rag.add_argument("--corpus-dir", type=existing_dir, help="your corpus: a folder of text files")
     rag.add_argument("--chroma", nargs=2, metavar=("DIR", "COLLECTION"), help="or Chroma")
     rag.add_argument("--questions", type=existing_file, help="your questions (text or JSON lines)")
-    rag.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    rag.add_argument("--out", type=report_dir, default=REPORTS, help="report folder")
     rag.add_argument("--name", type=_file_stem, default="rag", help="report file stem")
     rag.set_defaults(run=_rag)
 
@@ -240,9 +264,7 @@ def _add_summary_parser(bench: Any) -> None:
     summary = bench.add_parser(
         "summary", help="write docs/benchmarks/README.md: every report's findings, read from JSON"
     )
-    summary.add_argument(
-        "--out", type=existing_dir, default=Path("docs/benchmarks"), help="report folder"
-    )
+    summary.add_argument("--out", type=existing_dir, default=REPORTS, help="report folder")
     summary.set_defaults(run=_summary)
 
 
@@ -255,6 +277,6 @@ def _add_store_parser(bench: Any) -> None:
     store.add_argument("--k", type=POSITIVE, default=5, help="chunks retrieved per turn")
     store.add_argument("--prompts", type=POSITIVE, default=10, help="TTFT prompts")
     store.add_argument("--rounds", type=POSITIVE, default=3, help="timed rounds per prompt")
-    store.add_argument("--seed", type=int, default=0)
-    store.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="report folder")
+    store.add_argument("--seed", type=SEED, default=0, help="seed of the trace and prompts")
+    store.add_argument("--out", type=report_dir, default=REPORTS, help="report folder")
     store.set_defaults(run=_store)

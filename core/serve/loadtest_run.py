@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from chunkcache.core.bench.cli import POSITIVE, positive_float
+from chunkcache.core.bench.cli import POSITIVE, positive_float, report_dir
 from chunkcache.core.bench.report import environment, percentile
 from chunkcache.core.serve.loadtest import (
     LoadTest,
@@ -213,7 +213,7 @@ def add_bench_serve_parser(bench: Any) -> None:
     )
     parser.add_argument("--max-tokens", type=POSITIVE, default=defaults.max_tokens)
     parser.add_argument("--url", help="test this running server instead of starting one")
-    parser.add_argument("--out", type=Path, default=defaults.out)
+    parser.add_argument("--out", type=report_dir, default=str(defaults.out))
     parser.set_defaults(run=_bench_serve)
 
 

@@ -2,25 +2,36 @@
 
 Values come from, highest first: keyword arguments (the command line), environment
 variables ``CHUNKCACHE_SERVE_<FIELD>`` (e.g. ``CHUNKCACHE_SERVE_API_KEY=...``), then the
-defaults below.  The KV store has its own settings, :class:`~chunkcache.core.store.settings.
-StoreSettings` (``CHUNKCACHE_STORE_*``): servers on one host that share its disk directory
-and Redis url reuse each other's chunk KV.
+defaults below.  A ``CHUNKCACHE_SERVE_*`` variable that names no field is refused (a
+misspelt ``API_KEY`` would otherwise leave the server open), as are infinite or NaN
+numbers, an empty host and an empty API key.
+
+The KV store has its own settings, :class:`~chunkcache.core.store.settings.StoreSettings`
+(``CHUNKCACHE_STORE_*``): servers on one host that share its disk directory and Redis url
+reuse each other's chunk KV.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from chunkcache.core.errors import UsageError
+
+ENV_PREFIX = "CHUNKCACHE_SERVE_"
 
 
 class ServeSettings(BaseSettings):
     """Where the server listens, what it runs, and the limits it enforces."""
 
-    model_config = SettingsConfigDict(env_prefix="CHUNKCACHE_SERVE_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    host: str = Field(default="127.0.0.1", description="interface to listen on")
+    host: str = Field(
+        default="127.0.0.1", min_length=1, description="interface to listen on (0.0.0.0: all)"
+    )
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0: any free port)")
     model: str | None = Field(
         default=None, description="checkpoint directory or GGUF file; None: the default model"
@@ -34,7 +45,8 @@ class ServeSettings(BaseSettings):
         "time, unbatched; auto: batching when this install has it",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="when set, /v1/* requires 'Authorization: Bearer <key>'"
+        default=None,
+        description="when set, /v1/* requires 'Authorization: Bearer <key>'",
     )
     max_queue: int = Field(
         default=64, ge=1, description="requests waiting beyond the running batch; 429 when full"
@@ -52,14 +64,45 @@ class ServeSettings(BaseSettings):
         "leaves in the context window)",
     )
     shutdown_timeout_s: float = Field(
-        default=30.0, ge=0, description="on SIGTERM/SIGINT, finish in-flight work this long"
+        default=30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="on SIGTERM/SIGINT, finish in-flight work this long",
     )
     trim_heap_s: float = Field(
         default=0.0,
         ge=0,
+        allow_inf_nan=False,
         description="return freed heap memory to the OS this often (glibc; 0: never): "
         "resident memory stays flat under load, at some throughput (docs/serve.md)",
     )
     retry_after_s: float = Field(
-        default=1.0, gt=0, description="least Retry-After of a 429 (more when the queue is long)"
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="least Retry-After of a 429 (more when the queue is long)",
     )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key_not_empty(cls, key: object) -> object:
+        if key == "":  # would let in any request with "Authorization: Bearer "
+            raise ValueError(f"empty: unset {ENV_PREFIX}API_KEY to serve without a key")
+        return key
+
+    def __init__(self, **values: Any) -> None:
+        """``values`` over the environment over the defaults; :class:`UsageError` for a
+        ``CHUNKCACHE_SERVE_*`` variable that names no setting."""
+        unknown = sorted(name for name in os.environ if _unknown_setting(name))
+        if unknown:
+            known = ", ".join(ENV_PREFIX + field.upper() for field in type(self).model_fields)
+            raise UsageError(f"unknown setting {', '.join(unknown)}; known: {known}")
+        super().__init__(**values)
+
+
+def _unknown_setting(env_name: str) -> bool:
+    """Whether ``env_name`` has the serve prefix (in any case, as pydantic-settings reads it)
+    but names no field of :class:`ServeSettings`."""
+    name = env_name.upper()
+    field = name.removeprefix(ENV_PREFIX).lower()
+    return name.startswith(ENV_PREFIX) and field not in ServeSettings.model_fields
