@@ -37,9 +37,7 @@ from chunkcache.core.batch_scheduler import Scheduler
 from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.generation import GenerationRequest
 from chunkcache.core.kv_store import KVStore
-from chunkcache.core.local_backend import fit_to_window
-from chunkcache.core.model_files import DEFAULT_MODEL_NAME
-from chunkcache.core.models import load_model
+from chunkcache.core.local_backend import default_engine, fit_to_window
 from chunkcache.core.store.hooks import prefetch
 from chunkcache.core.text_stream import TextStream
 from chunkcache.core.tokenization import SegmentTokenizer, render_chat
@@ -80,12 +78,13 @@ class BatchingBackend:
         model: str | Path | None = None,
         dtype: torch.dtype = torch.bfloat16,
         store: KVStore | None = None,
+        engine_options: Mapping[str, Any] | None = None,
         **limits: Any,
     ) -> BatchingBackend:
-        """A backend on ``model`` (default: SmolLM2-135M-Instruct); ``limits`` are
+        """A backend on ``model`` (default: SmolLM2-135M-Instruct); ``engine_options`` go to
+        :class:`ChunkEngine` (e.g. ``max_conversation_tokens``), ``limits`` are
         ``max_queue``, ``max_batch`` and ``starvation_window``."""
-        name = Path(model).name if model is not None else DEFAULT_MODEL_NAME
-        return cls(ChunkEngine(load_model(model, dtype=dtype), store), name, **limits)
+        return cls(*default_engine(model, dtype, store, engine_options), **limits)
 
     @property
     def context_window(self) -> int:

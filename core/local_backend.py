@@ -8,7 +8,7 @@ from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -43,10 +43,11 @@ class LocalBackend:
         model: str | Path | None = None,
         dtype: torch.dtype = torch.bfloat16,
         store: KVStore | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> LocalBackend:
-        """A backend on ``model`` (default: SmolLM2-135M-Instruct, installed on first use)."""
-        name = Path(model).name if model is not None else DEFAULT_MODEL_NAME
-        return cls(ChunkEngine(load_model(model, dtype=dtype), store), name)
+        """A backend on ``model`` (default: SmolLM2-135M-Instruct, installed on first use);
+        ``engine_options`` go to :class:`ChunkEngine` (e.g. ``max_conversation_tokens``)."""
+        return cls(*default_engine(model, dtype, store, engine_options))
 
     @property
     def context_window(self) -> int:
@@ -119,6 +120,17 @@ class LocalBackend:
             yield
         finally:
             self._lock.release()
+
+
+def default_engine(
+    model: str | Path | None,
+    dtype: torch.dtype,
+    store: KVStore | None,
+    engine_options: Mapping[str, Any] | None,
+) -> tuple[ChunkEngine, str]:
+    """An engine on ``model`` (None: the default model) and the model's name."""
+    name = Path(model).name if model is not None else DEFAULT_MODEL_NAME
+    return ChunkEngine(load_model(model, dtype=dtype), store, **(engine_options or {})), name
 
 
 def fit_to_window(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from types import FrameType
 from typing import Any
 
@@ -43,13 +44,16 @@ def build_backend(settings: ServeSettings, store: Any) -> Any:
                 settings.model,
                 dtype=dtype,
                 store=store,
+                engine_options=settings.engine_options(),
                 max_queue=settings.max_queue,
                 max_batch=settings.max_batch,
             )
     from chunkcache.core.local_backend import LocalBackend
 
     log.info("chunkcache serve: the local backend, one prefill or decode step at a time")
-    return LocalBackend.default(settings.model, dtype=dtype, store=store)
+    return LocalBackend.default(
+        settings.model, dtype=dtype, store=store, engine_options=settings.engine_options()
+    )
 
 
 def run_server(settings: ServeSettings) -> None:
@@ -63,15 +67,20 @@ def run_server(settings: ServeSettings) -> None:
         store.close()
         raise
     app = create_app(backend, settings, store=store)
-    config = uvicorn.Config(
+    _Server(uvicorn_config(app, settings), app.state.serve).run()
+
+
+def uvicorn_config(app: Any, settings: ServeSettings) -> uvicorn.Config:
+    """uvicorn's settings for ``app``.  Its graceful-shutdown timeout is whole seconds, and
+    None waits forever: ``shutdown_timeout_s`` is rounded up (0 cancels at once)."""
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
         log_level="info",
         access_log=False,
     )
-    _Server(config, app.state.serve).run()
 
 
 class _Server(uvicorn.Server):

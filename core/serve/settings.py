@@ -63,6 +63,18 @@ class ServeSettings(BaseSettings):
         description="max_tokens of a request that names none (at most the room its prompt "
         "leaves in the context window)",
     )
+    max_conversations: int | None = Field(
+        default=None,
+        ge=0,
+        description="conversations whose KV the engine keeps for their next turn "
+        "(None: the engine's default, 32)",
+    )
+    max_conversation_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="KV tokens kept for those conversations in all (None: the engine's "
+        "default, 32,768)",
+    )
     shutdown_timeout_s: float = Field(
         default=30.0,
         ge=0,
@@ -89,6 +101,11 @@ class ServeSettings(BaseSettings):
         if key == "":  # would let in any request with "Authorization: Bearer "
             raise ValueError(f"empty: unset {ENV_PREFIX}API_KEY to serve without a key")
         return key
+
+    def engine_options(self) -> dict[str, int]:
+        """The :class:`~chunkcache.core.engine.ChunkEngine` settings set here."""
+        names = ("max_conversations", "max_conversation_tokens")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def __init__(self, **values: Any) -> None:
         """``values`` over the environment over the defaults; :class:`UsageError` for a
