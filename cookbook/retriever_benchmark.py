@@ -14,7 +14,6 @@ shared state grows.  Writes docs/benchmarks/retriever.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -28,7 +27,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 
 from chunkcache.core import ChunkCache, prefix_metric, total_metric
-from chunkcache.core.bench.report import environment, percentile
+from chunkcache.core.bench.report import environment, percentile, write_report
 from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.corpus import load_corpus
 from chunkcache.core.ledger import DedupeMode
@@ -271,10 +270,8 @@ def main() -> None:
         "ordering": ordering_report(turns, retrieved),
         "overhead": overhead_report(args.overhead_k, args.distinct_chunks, args.seed),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "retriever.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
-    (args.out / "retriever.md").write_text(text)
+    write_report(args.out, "retriever", report, text)
     print(text)
 
 

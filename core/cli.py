@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import errno
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -30,12 +31,22 @@ from chunkcache.core.errors import ChunkCacheError, UsageError
 if TYPE_CHECKING:
     from chunkcache.core.store.settings import StoreSettings
 
+DEFAULT_COLLECTION = "langchain"  # what langchain-chroma names a collection it is not told
+
+
+def _model_path(text: str) -> str:
+    """An argparse ``type``: a checkpoint path or model name, not empty (which would name
+    the current folder, or for ``models pull`` the default model)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out for the default model)")
+    return text
+
 
 def _models_pull(args: argparse.Namespace) -> None:
     from chunkcache.core.model_files import pull_default_model
     from chunkcache.core.models import load_model
 
-    path = args.path or pull_default_model()
+    path = args.path if args.path is not None else pull_default_model()
     lm = load_model(path)
     spec = lm.spec
     print(f"{path}: {spec.architecture}, {spec.num_layers} layers, fingerprint {lm.fingerprint}")
@@ -51,13 +62,16 @@ def _warm(args: argparse.Namespace) -> None:
     from chunkcache.core.store.warm import warm
     from chunkcache.core.user_corpus import load_chroma_corpus, load_text_folder
 
+    if args.collection is not None and args.chroma is None:
+        raise UsageError("--collection names a collection of --chroma DIR: add --chroma")
     settings = _store_settings(args.config)
     if not settings.disk_bytes and not settings.redis_url:
         raise UsageError("warm needs a disk or Redis tier to keep what it computes")
     if args.folder:  # the chunks `bench rag --corpus-dir` / `--chroma` retrieve
         chunks = load_text_folder(args.folder, args.chunk_chars)[: args.max_chunks]
     elif args.chroma:
-        chunks = load_chroma_corpus(args.chroma, args.collection)[: args.max_chunks]
+        collection = args.collection if args.collection is not None else DEFAULT_COLLECTION
+        chunks = load_chroma_corpus(args.chroma, collection)[: args.max_chunks]
     else:
         chunks = load_corpus(args.chunk_chars, args.max_chunks)
     lm = load_model(args.model, dtype=getattr(torch, args.dtype))
@@ -118,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="models_command", required=True
     )
     pull = models.add_parser("pull", help="install the default model, or check one by path")
-    pull.add_argument("path", nargs="?", help="a local checkpoint directory or GGUF file")
+    pull.add_argument(
+        "path", nargs="?", type=_model_path, help="a local checkpoint directory or GGUF file"
+    )
     pull.set_defaults(run=_models_pull)
     add_bench_parser(commands)
     _add_warm_parser(commands)
@@ -137,8 +153,12 @@ def _add_warm_parser(commands: Any) -> None:
     source.add_argument(
         "--chroma", type=existing_dir, help="a persistent Chroma directory (with --collection)"
     )
-    warm.add_argument("--collection", default="langchain", help="the Chroma collection")
-    warm.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
+    warm.add_argument(
+        "--collection", help=f"the collection of --chroma (default: {DEFAULT_COLLECTION})"
+    )
+    warm.add_argument(
+        "--model", type=_model_path, help="checkpoint directory or GGUF file (default model)"
+    )
     warm.add_argument(
         "--dtype",
         default="bfloat16",
@@ -206,13 +226,32 @@ def _add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument("--host", help="interface (default 127.0.0.1)")
     serve.add_argument("--port", type=bounded_int(0, 65535), help="TCP port (default 8000)")
-    serve.add_argument("--model", help="checkpoint directory or GGUF file (default model)")
+    serve.add_argument(
+        "--model", type=_model_path, help="checkpoint directory or GGUF file (default model)"
+    )
     serve.set_defaults(run=_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command ``argv`` names; a user's mistake exits with one line (2 from argparse,
-    else 1), a bug with its traceback."""
+    else 1), a bug with its traceback.  Ctrl-C exits quietly with 130; output piped into a
+    reader that stops early (``| head``) ends it quietly with 1 (Python's "Note on SIGPIPE")."""
+    try:
+        try:
+            _run(argv)
+        finally:
+            sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BrokenPipeError:
+        # Python flushes stdout again on exit: point it at devnull so that is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _run(argv: Sequence[str] | None) -> None:
+    """Parse ``argv`` and run its command; a user's mistake is one line and exit 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -12,13 +12,25 @@ from chunkcache.core.cli import build_parser, main
 # Whatever runs after validation: each is replaced by a failure in these tests.
 SLOW_STEPS = (
     "chunkcache.core.models.load_model",
+    "chunkcache.core.model_files.pull_default_model",
     "chunkcache.core.bench.rag_run.run_rag_bench",
     "chunkcache.core.bench.engine_bench.run_engine_bench",
     "chunkcache.core.bench.store_bench.run_store_bench",
     "chunkcache.core.bench.vllm_bench.run_vllm_bench",
+    "chunkcache.core.bench.summary.write_summary",
     "chunkcache.core.serve.run_server",
     "chunkcache.core.serve.loadtest_run.run_loadtest",
 )
+
+
+def fail_slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every slow step fail the test: a mistake must be caught before it runs."""
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the mistake should have been caught before this ran")
+
+    for target in SLOW_STEPS:
+        monkeypatch.setattr(target, ran)
 
 
 @pytest.fixture(autouse=True)
@@ -29,12 +41,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def nothing_slow_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if a model loads, a benchmark starts or a server starts."""
-
-    def ran(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the mistake should have been caught before this ran")
-
-    for target in SLOW_STEPS:
-        monkeypatch.setattr(target, ran)
+    fail_slow_steps(monkeypatch)
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, list[str]]:

@@ -1,7 +1,7 @@
 """``chunkcache``'s command line under a user's mistakes: every subcommand's help states its
-defaults; a seed, an ``--out`` folder, a port or a ``CHUNKCACHE_SERVE_*`` setting that
-cannot be used is one line and an exit code, found before any model loads, benchmark runs
-or server starts."""
+defaults; a seed, an ``--out`` folder, a port, a ``CHUNKCACHE_SERVE_*`` setting, an empty
+model path or a ``--collection`` without ``--chroma`` that cannot be used is one line and an
+exit code, found before any model loads, benchmark runs or server starts; Ctrl-C is exit 130."""
 
 from __future__ import annotations
 
@@ -14,41 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_cli import fail_slow_steps, run
 
 from chunkcache.core.cli import build_parser, main
 from chunkcache.core.errors import UsageError
 from chunkcache.core.serve import ServeSettings
-
-# Whatever runs after validation: each is replaced by a failure in these tests.
-SLOW_STEPS = (
-    "chunkcache.core.models.load_model",
-    "chunkcache.core.bench.rag_run.run_rag_bench",
-    "chunkcache.core.bench.engine_bench.run_engine_bench",
-    "chunkcache.core.bench.store_bench.run_store_bench",
-    "chunkcache.core.bench.vllm_bench.run_vllm_bench",
-    "chunkcache.core.bench.summary.write_summary",
-    "chunkcache.core.serve.run_server",
-    "chunkcache.core.serve.loadtest_run.run_loadtest",
-)
 
 
 @pytest.fixture(autouse=True)
 def nothing_slow_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A home of its own, and a failure if a model loads, a benchmark or a server starts."""
     monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path / "home"))
-
-    def ran(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the mistake should have been caught before this ran")
-
-    for target in SLOW_STEPS:
-        monkeypatch.setattr(target, ran)
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, list[str]]:
-    """``main(argv)``'s exit code and the lines it wrote to stderr."""
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    return exited.value.code, capsys.readouterr().err.splitlines()
+    fail_slow_steps(monkeypatch)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
@@ -258,3 +235,51 @@ def test_known_settings_in_any_case_are_taken(monkeypatch: pytest.MonkeyPatch) -
     settings = ServeSettings()
     assert settings.max_batch == 3
     assert settings.api_key is not None and settings.api_key.get_secret_value() == "s3cret"
+
+
+@pytest.mark.parametrize(
+    "argv", [["models", "pull", ""], ["warm", "--model", ""], ["serve", "--model", ""]]
+)
+def test_an_empty_model_path_is_a_usage_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``models pull ''`` used to install the default model."""
+    code, err = run(argv, capsys)
+    assert code == 2
+    assert "must not be empty (leave it out for the default model)" in err[-1]
+
+
+def test_a_collection_without_chroma_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["warm", "--collection", "docs"], capsys)
+    assert code == 1
+    assert err == [
+        "chunkcache: error: --collection names a collection of --chroma DIR: add --chroma"
+    ]
+
+
+@pytest.mark.parametrize(("given", "read"), [([], "langchain"), (["--collection", "x"], "x")])
+def test_chroma_reads_the_collection_given(
+    given: list[str],
+    read: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def load_chroma_corpus(folder: Path, collection: str) -> None:
+        raise SystemExit(f"read {collection}")
+
+    monkeypatch.setattr("chunkcache.core.user_corpus.load_chroma_corpus", load_chroma_corpus)
+    with pytest.raises(SystemExit, match=f"^read {read}$"):
+        main(["warm", "--chroma", str(tmp_path), *given])
+
+
+def test_ctrl_c_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("chunkcache.core.cli._models_pull", interrupted)
+    try:
+        assert run(["models", "pull"], capsys) == (130, [])
+    except KeyboardInterrupt:  # would stop pytest itself
+        pytest.fail("Ctrl-C went through main()")

@@ -27,7 +27,7 @@ from chunkcache.core.bench.engine_report import markdown, targets
 from chunkcache.core.bench.policies import POLICY_RUNS, Warmup
 from chunkcache.core.bench.quality import evaluate_quality
 from chunkcache.core.bench.rag_prompts import RagPrompt, build_rag_prompts, corpus_search
-from chunkcache.core.bench.report import environment, summarize
+from chunkcache.core.bench.report import environment, summarize, write_report
 from chunkcache.core.bench.speed import evaluate_speed
 from chunkcache.core.corpus import load_corpus
 from chunkcache.core.models import load_model
@@ -97,8 +97,7 @@ def run_engine_bench(config: EngineBenchConfig, command: str) -> dict[str, Any]:
     tokenize = SegmentTokenizer(lm32.tokenizer)
     lengths = [sum(len(s.ids) for s in tokenize(p.segments)) for p in prompts]
     listed = prompt_list(prompts, lengths)
-    json_path = config.out / "engine.json"
-    parts = previous_parts(json_path, listed)
+    parts = previous_parts(config.out / "engine.json", listed)
     for part, warmup in QUALITY_PARTS.items():
         if part not in config.parts:
             continue
@@ -135,7 +134,5 @@ def run_engine_bench(config: EngineBenchConfig, command: str) -> dict[str, Any]:
         "prompt_list": listed,
     }
     report["targets"] = targets(report)
-    config.out.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    (config.out / "engine.md").write_text(markdown(report))
+    write_report(config.out, "engine", report, markdown(report))
     return report

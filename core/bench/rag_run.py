@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from chunkcache.core.bench.rag_workload import (
     gold_workload,
     user_workload,
 )
-from chunkcache.core.bench.report import environment
+from chunkcache.core.bench.report import environment, write_report
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS
 from chunkcache.core.errors import UsageError
 from chunkcache.core.user_corpus import chroma_database
@@ -180,9 +179,8 @@ def run_rag_bench(
         report["workloads"][workload.name] = workload_figures(
             workload, systems, runs[workload.name], config
         )
-    (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     report["plots"] = plot(report, config.out, config.name)
-    (config.out / f"{config.name}.md").write_text(markdown(report))
+    write_report(config.out, config.name, report, markdown(report))
     return report
 
 

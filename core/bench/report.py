@@ -1,16 +1,20 @@
-"""What every benchmark report carries: summary statistics and the machine it ran on."""
+"""What every benchmark report carries: summary statistics and the machine it ran on; and
+how every report is written (:func:`write_report`, :func:`write_files`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -28,6 +32,37 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
         "median": statistics.median(values),
         "p99": percentile(values, 0.99),
     }
+
+
+def write_report(folder: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """Write ``folder/<name>.json`` (``report``) and ``folder/<name>.md`` (``markdown``), the
+    folder made if missing, through :func:`write_files`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_files(
+        {
+            folder / f"{name}.json": json.dumps(report, indent=2) + "\n",
+            folder / f"{name}.md": markdown,
+        }
+    )
+
+
+def write_files(texts: Mapping[Path, str]) -> None:
+    """Write each text (UTF-8) to its path atomically: every text goes in full to a temporary
+    file beside its path first, and only then do they replace their paths.  A failed or
+    interrupted write leaves every previous file whole and no temporary file behind."""
+    temporary: dict[Path, Path] = {}
+    try:
+        for path, text in texts.items():
+            temporary[path] = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+            with temporary[path].open("x", encoding="utf-8") as file:  # umask-respecting mode
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+        for path, temp in temporary.items():
+            os.replace(temp, path)
+    finally:
+        for temp in temporary.values():
+            temp.unlink(missing_ok=True)
 
 
 def cpu_model() -> str:

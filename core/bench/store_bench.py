@@ -19,7 +19,6 @@ Two parts, one report (``store.json``, ``store.md``, ``store-hit-rate.png``):
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from chunkcache.core.bench.rag_prompts import build_rag_prompts, corpus_search
-from chunkcache.core.bench.report import CpuMeter, environment, summarize
+from chunkcache.core.bench.report import CpuMeter, environment, summarize, write_report
 from chunkcache.core.bench.store_hit_rates import (
     PrefillCost,
     fit_prefill_cost,
@@ -157,6 +156,5 @@ def run_store_bench(
     }
     config.out.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot_hit_rates(report, config.out)
-    (config.out / "store.json").write_text(json.dumps(report, indent=2) + "\n")
-    (config.out / "store.md").write_text(markdown(report))
+    write_report(config.out, "store", report, markdown(report))
     return report

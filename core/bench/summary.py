@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.bench.findings import FINDERS, Finding
+from chunkcache.core.bench.report import write_files
 
 TITLES = {
     "retriever": "Retriever: CRAFT ordering and the wrapper's overhead",
@@ -73,7 +74,7 @@ def summary_markdown(folder: Path) -> str:
 def write_summary(folder: Path) -> Path:
     """Write ``folder/README.md`` and return its path."""
     path = folder / "README.md"
-    path.write_text(summary_markdown(folder))
+    write_files({path: summary_markdown(folder)})
     return path
 
 

@@ -12,7 +12,6 @@ trace, and accuracy on the gold questions.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -29,7 +28,7 @@ from chunkcache.core.bench.rag_bench import (
 from chunkcache.core.bench.rag_metrics import poisson_arrivals, system_figures
 from chunkcache.core.bench.rag_run import RagBenchConfig, RagWorkloadSizes, workloads
 from chunkcache.core.bench.rag_workload import Workload
-from chunkcache.core.bench.report import environment
+from chunkcache.core.bench.report import environment, write_report
 from chunkcache.core.bench.vllm_report import markdown
 
 # The two apps on a server with prefix caching on; the first is the reference.
@@ -107,9 +106,7 @@ def run_vllm_bench(
                 report["workloads"][workload.name] = workload_result(workload, runs, config)
         finally:
             backend.close()
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / f"{config.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (config.out / f"{config.name}.md").write_text(markdown(report))
+    write_report(config.out, config.name, report, markdown(report))
     return report
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shlex
 import statistics
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 
 from chunkcache.core.bench.cli import POSITIVE, positive_float, report_dir
-from chunkcache.core.bench.report import environment, percentile
+from chunkcache.core.bench.report import environment, percentile, write_report
 from chunkcache.core.serve.loadtest import (
     LoadTest,
     LoadTestConfig,
@@ -71,9 +70,7 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (torch default)"),
     }
     if config.out is not None:
-        config.out.mkdir(parents=True, exist_ok=True)
-        (config.out / f"{config.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-        (config.out / f"{config.name}.md").write_text(markdown(results))
+        write_report(config.out, config.name, results, markdown(results))
     return results
 
 

@@ -13,18 +13,17 @@ reuse each other's chunk KV.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from chunkcache.core.errors import UsageError
+from chunkcache.core.env_settings import CheckedEnvSettings
 
 ENV_PREFIX = "CHUNKCACHE_SERVE_"
 
 
-class ServeSettings(BaseSettings):
+class ServeSettings(CheckedEnvSettings):
     """Where the server listens, what it runs, and the limits it enforces."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
@@ -106,20 +105,3 @@ class ServeSettings(BaseSettings):
         """The :class:`~chunkcache.core.engine.ChunkEngine` settings set here."""
         names = ("max_conversations", "max_conversation_tokens")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
-    def __init__(self, **values: Any) -> None:
-        """``values`` over the environment over the defaults; :class:`UsageError` for a
-        ``CHUNKCACHE_SERVE_*`` variable that names no setting."""
-        unknown = sorted(name for name in os.environ if _unknown_setting(name))
-        if unknown:
-            known = ", ".join(ENV_PREFIX + field.upper() for field in type(self).model_fields)
-            raise UsageError(f"unknown setting {', '.join(unknown)}; known: {known}")
-        super().__init__(**values)
-
-
-def _unknown_setting(env_name: str) -> bool:
-    """Whether ``env_name`` has the serve prefix (in any case, as pydantic-settings reads it)
-    but names no field of :class:`ServeSettings`."""
-    name = env_name.upper()
-    field = name.removeprefix(ENV_PREFIX).lower()
-    return name.startswith(ENV_PREFIX) and field not in ServeSettings.model_fields

@@ -4,6 +4,8 @@ Values come from, highest first: keyword arguments, environment variables
 ``CHUNKCACHE_STORE_<FIELD>`` (e.g. ``CHUNKCACHE_STORE_HOST_BYTES=2147483648``), a TOML or
 JSON file (``StoreSettings.from_file(path)``, or the file named by
 ``CHUNKCACHE_STORE_CONFIG``), then the defaults below.  A capacity of 0 turns its tier off.
+A ``CHUNKCACHE_STORE_*`` variable that names no field (a misspelt ``DISK_DIR`` would
+otherwise put the cache elsewhere) is refused with :class:`~chunkcache.core.errors.UsageError`.
 
 Example ``store.toml``::
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextvars
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import (
@@ -29,6 +31,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from chunkcache.core.env_settings import CheckedEnvSettings
+from chunkcache.core.errors import UsageError
+
 if TYPE_CHECKING:
     from chunkcache.core.store.tier import Tier
 
@@ -38,10 +43,11 @@ _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 )
 
 
-class StoreSettings(BaseSettings):
+class StoreSettings(CheckedEnvSettings):
     """Tier capacities, where the tiers live, and the eviction policy."""
 
     model_config = SettingsConfigDict(env_prefix="CHUNKCACHE_STORE_", extra="forbid")
+    other_env_names: ClassVar[tuple[str, ...]] = ("CHUNKCACHE_STORE_CONFIG",)
 
     device_bytes: int = Field(
         default=2 * GiB, ge=0, description="CUDA tier; used only when torch.cuda.is_available()"
@@ -81,6 +87,8 @@ class StoreSettings(BaseSettings):
         path = _config_file.get()
         if path is None and os.environ.get("CHUNKCACHE_STORE_CONFIG"):
             path = Path(os.environ["CHUNKCACHE_STORE_CONFIG"])
+            if not path.is_file():  # read as no file at all, its settings silently lost
+                raise UsageError(f"CHUNKCACHE_STORE_CONFIG={path}: not a file")
         if path is not None:
             if path.suffix == ".json":
                 sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
