@@ -21,13 +21,13 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
 
+from chunkcache.core.atomic_files import write_files
 from chunkcache.core.chunk_ids import chunk_id
 from chunkcache.core.paths import home_subdir
 
@@ -301,9 +301,7 @@ def _write_cache(path: Path, chunks: list[CorpusChunk]) -> None:
         json.dumps(asdict(chunk), ensure_ascii=False).encode("utf-8") + b"\n" for chunk in chunks
     )
     header = json.dumps(_cache_header(body)).encode("ascii") + b"\n"
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(header + body)
-    os.replace(tmp.name, path)
+    write_files({path: header + body})
 
 
 def _cache_header(body: bytes) -> dict[str, object]:

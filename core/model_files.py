@@ -6,6 +6,7 @@ model (or dtype, or tokenizer) is never served to another.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -14,13 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from filelock import FileLock
 
+from chunkcache.core.atomic_files import write_files
 from chunkcache.core.errors import ChunkCacheError
 from chunkcache.core.paths import home_path, home_subdir
 
@@ -220,12 +221,8 @@ def file_digest(path: Path) -> str:
         while block := f.read(1 << 24):
             sha.update(block)
     cache[path.name] = {**key, "sha256": sha.hexdigest()}
-    tmp = cache_path.with_name(f"{DIGEST_CACHE}.{os.getpid()}.{threading.get_ident()}")
-    try:  # best effort: a read-only checkpoint directory just is not cached
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(cache_path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # a read-only checkpoint directory is just not cached
+        write_files({cache_path: json.dumps(cache, indent=1, sort_keys=True)})
     return sha.hexdigest()
 
 

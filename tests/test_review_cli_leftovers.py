@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from chunkcache.core.bench.report import write_files, write_report
+from chunkcache.core.atomic_files import write_files
+from chunkcache.core.bench.report import write_report
 from chunkcache.core.bench.summary import write_summary
 
 REPO = Path(__file__).resolve().parent.parent

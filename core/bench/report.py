@@ -1,5 +1,5 @@
 """What every benchmark report carries: summary statistics and the machine it ran on; and
-how every report is written (:func:`write_report`, :func:`write_files`)."""
+how every report is written (:func:`write_report`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import json
 import math
 import os
 import platform
-import secrets
 import statistics
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from chunkcache.core.atomic_files import write_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -36,7 +37,7 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 
 def write_report(folder: Path, name: str, report: dict[str, Any], markdown: str) -> None:
     """Write ``folder/<name>.json`` (``report``) and ``folder/<name>.md`` (``markdown``), the
-    folder made if missing, through :func:`write_files`."""
+    folder made if missing, both written atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     write_files(
         {
@@ -44,25 +45,6 @@ def write_report(folder: Path, name: str, report: dict[str, Any], markdown: str)
             folder / f"{name}.md": markdown,
         }
     )
-
-
-def write_files(texts: Mapping[Path, str]) -> None:
-    """Write each text (UTF-8) to its path atomically: every text goes in full to a temporary
-    file beside its path first, and only then do they replace their paths.  A failed or
-    interrupted write leaves every previous file whole and no temporary file behind."""
-    temporary: dict[Path, Path] = {}
-    try:
-        for path, text in texts.items():
-            temporary[path] = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-            with temporary[path].open("x", encoding="utf-8") as file:  # umask-respecting mode
-                file.write(text)
-                file.flush()
-                os.fsync(file.fileno())
-        for path, temp in temporary.items():
-            os.replace(temp, path)
-    finally:
-        for temp in temporary.values():
-            temp.unlink(missing_ok=True)
 
 
 def cpu_model() -> str:

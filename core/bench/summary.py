@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from chunkcache.core.atomic_files import write_files
 from chunkcache.core.bench.findings import FINDERS, Finding
-from chunkcache.core.bench.report import write_files
 
 TITLES = {
     "retriever": "Retriever: CRAFT ordering and the wrapper's overhead",
