@@ -24,6 +24,7 @@ _MAX_ID_LENGTH = 128
 # Used with fullmatch: a `^...$` match would let a trailing newline through.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:\-]+")
 _SCOPE_HEX = 16  # hex digits of a label's hash in a content-bound id
+_SCOPE = re.compile(f"[0-9a-f]{{{_SCOPE_HEX}}}-")  # a content-bound id's start
 
 
 def normalize_text(text: str) -> str:
@@ -99,7 +100,8 @@ def content_bound_id(label: str, text: str, namespace: str = "") -> str:
 def _is_bound_to(label: str, content: str) -> bool:
     """Whether ``label`` is an id :func:`content_bound_id` made for the text ``content``
     hashes to (a caller's own label merely ending in ``-<hash>`` is not)."""
-    return re.fullmatch(rf"[0-9a-f]{{{_SCOPE_HEX}}}-{content}", label) is not None
+    scoped = _SCOPE.match(label)
+    return scoped is not None and label[scoped.end() :] == content
 
 
 def chunk_key(chunk_id: str, token_ids: Sequence[int]) -> str:
