@@ -192,7 +192,17 @@ class TieredKVStore(TieredReads):
     def contains_chunk(self, fingerprint: str, chunk_id: str) -> bool:
         """Whether any tier holds a variant of any segment of ``chunk_id`` (a
         :func:`~chunkcache.core.chunk_ids.chunk_key` per text sent under that id) that this
-        store wrote or read; entries only another process wrote are not known here."""
+        store wrote or read.
+
+        A segment only another process (or an earlier run) stored is not known here: tiers
+        index entries by segment hash, so seeing it would take a chunk index in every
+        shared tier, kept on every write and eviction, for answers that rarely change.
+        ``ChunkCache`` asks this only after a drop, once :meth:`contains_segment` (which
+        sees every process's entries) said no; ids the retrievers give are content-bound,
+        one text and so one segment each; and with Redis below, an entry leaves the store
+        only when Redis refused it, mostly while down, when Redis cannot be read either.
+        What is left: caller-chosen ids sent with other texts by processes sharing a disk.
+        """
         with self._lock:
             segment_ids = self._segments_of_chunk(fingerprint, chunk_id)
         return any(self.contains_segment(fingerprint, s) for s in segment_ids)
