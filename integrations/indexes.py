@@ -1,10 +1,12 @@
 """Vector indexes of the bundled stdlib corpus, built once and reused.
 
-Everything lives under ``home_subdir("indexes")/stdlib-<corpus digest>/``: the
+Everything lives under ``home_subdir("indexes")/stdlib-<key>/``: the
 MiniLM embeddings (``embeddings.npy`` + ``ids.json``, computed once and shared),
 a FAISS ``IndexFlatIP`` (``faiss.index``) and a persistent Chroma collection in
 cosine space (in the directory that ``chroma.current`` names, ``chroma/`` if there
-is no such file).  A changed corpus has a new digest, hence a new directory.
+is no such file).  The key is a hash of everything the directory stores (each chunk's
+id, text and metadata, in order, the embedding model and the collection's settings), so
+any change to them gets a new directory and an unchanged corpus finds its own.
 
 Every file is checked when it is opened: the embeddings must be the chunks'
 unit vectors, and each index must hold exactly those vectors (Chroma must also
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -39,14 +42,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import numpy as np
 
-from chunkcache.core.corpus import CorpusChunk, corpus_digest, load_corpus
+from chunkcache.core.corpus import CorpusChunk, load_corpus
 from chunkcache.core.paths import home_subdir
 from chunkcache.integrations.chroma_files import check_hnsw_files, hold, lock_path, remove_unheld
-from chunkcache.integrations.embeddings import EMBEDDING_DIM, embed_texts
+from chunkcache.integrations.embeddings import EMBEDDING_DIM, embed_texts, model_identity
 
 if TYPE_CHECKING:
     import faiss
@@ -69,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 Store = Literal["chroma", "faiss"]
 COLLECTION_NAME = "chunkcache-stdlib"
+_CHROMA_SPACE: Final = "cosine"
+# Part of every directory's key: raise it when what a directory stores, or how, changes.
+_INDEX_FORMAT = 1
 # Stored vectors equal the embeddings up to float32 rounding (Chroma renormalizes them).
 _VECTOR_ATOL = 1e-4
 # One lock for all builds: two threads never embed or write the same files at once.
@@ -109,7 +115,8 @@ def langchain_corpus_retriever(store: Store = "chroma", k: int = 5) -> BaseRetri
 def langchain_chunks_retriever(chunks: Sequence[CorpusChunk], k: int = 5) -> BaseRetriever:
     """A LangChain Chroma retriever (MiniLM) over any ``chunks``, e.g. a user's own corpus.
 
-    The index is built once under ``CHUNKCACHE_HOME``, keyed by the chunks' content.
+    The index is built once under ``CHUNKCACHE_HOME``, keyed by the chunks' ids, texts and
+    metadata (a change to any of them builds a new one).
     Chunks with the same id (the same text, e.g. one document stored twice) are indexed
     once, as the first of them.
     """
@@ -147,7 +154,7 @@ class _CorpusIndexes:
 
     def __init__(self, chunks: list[CorpusChunk], root: Path) -> None:
         self.chunks = chunks
-        self.directory = root / f"stdlib-{corpus_digest(chunks)}"
+        self.directory = root / f"stdlib-{_index_key(chunks)}"
         self._embeddings: np.ndarray | None = None
         self._faiss: faiss.Index | None = None
         self._chroma: tuple[Client, Collection] | None = None
@@ -291,7 +298,7 @@ class _CorpusIndexes:
             collection = client.create_collection(
                 COLLECTION_NAME,
                 embedding_function=None,
-                configuration={"hnsw": {"space": "cosine"}},
+                configuration={"hnsw": {"space": _CHROMA_SPACE}},
             )
             self._fill(collection, vectors, client.get_max_batch_size())
             self._check_collection(collection, vectors)
@@ -381,6 +388,18 @@ class _CorpusIndexes:
 
     def _chunk_ids(self) -> list[str]:
         return [chunk.chunk_id for chunk in self.chunks]
+
+
+def _index_key(chunks: Sequence[CorpusChunk]) -> str:
+    """A hash of everything an index directory stores: the chunks in order (id, text and
+    metadata: a chunk id is bound to its text only), the embedding model and the format."""
+    digest = hashlib.blake2b(digest_size=16)
+    settings = [_INDEX_FORMAT, model_identity(), COLLECTION_NAME, _CHROMA_SPACE]
+    digest.update(json.dumps(settings).encode("ascii"))
+    for chunk in chunks:  # one JSON line each: a text's own newlines are escaped
+        line = json.dumps([chunk.chunk_id, chunk.text, _metadata(chunk)])
+        digest.update(b"\n" + line.encode("ascii"))
+    return digest.hexdigest()
 
 
 def _corpus_indexes() -> _CorpusIndexes:
