@@ -3,9 +3,10 @@
 Frequency order (CRAFT §4.2) sorts a request's chunks by descending access count.
 Tree-guided order is our step beyond it: walk down the chunk-prefix tree of
 earlier orders, at each level taking the most visited child that the request
-contains, so a request follows the longest path earlier requests already laid
-down; the chunks left over follow in frequency order.  Both are deterministic
-functions of the table and tree state, so equal chunk sets get equal orders.
+contains, so a request follows the path earlier requests travelled most (greedily:
+not always the longest one it covers); the chunks left over follow in frequency
+order.  Both are deterministic functions of the table and tree state, so equal
+chunk sets get equal orders.
 """
 
 from __future__ import annotations

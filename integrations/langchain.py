@@ -15,15 +15,20 @@ the chunks this conversation already has.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForRetrieverRun,
+    BaseCallbackManager,
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables.config import patch_config, run_in_executor
 from pydantic import ConfigDict, Field
 
 from chunkcache.core.cache import ChunkCache, default_cache
@@ -63,6 +68,9 @@ class ChunkCacheRetriever(BaseRetriever):
         k: number of documents to ask the base retriever for (forwarded as ``k``); a base
             retriever that takes no ``k`` has its results cut to the first ``k``.
 
+    The base retriever is called with the caller's config (its ``configurable``, tags and
+    limits), under the wrapper's run.
+
     The conversation id comes from ``config["configurable"]`` (``conversation_id``,
     ``session_id`` or ``thread_id``) or a ``conversation_id=`` keyword; without
     one, nothing is deduped.
@@ -84,15 +92,16 @@ class ChunkCacheRetriever(BaseRetriever):
         self, input: str, config: RunnableConfig | None = None, **kwargs: Any
     ) -> list[Document]:
         # langchain-core does not pass the caller's config to _get_relevant_documents,
-        # so the conversation id is read here (as EnsembleRetriever does).
+        # so it is read here (as EnsembleRetriever does): the conversation id, and the
+        # config the base retriever is called with.
         kwargs.setdefault("conversation_id", conversation_id_from_config(config))
-        return super().invoke(input, config, **kwargs)
+        return super().invoke(input, config, caller_config=config, **kwargs)
 
     async def ainvoke(
         self, input: str, config: RunnableConfig | None = None, **kwargs: Any
     ) -> list[Document]:
         kwargs.setdefault("conversation_id", conversation_id_from_config(config))
-        return await super().ainvoke(input, config, **kwargs)
+        return await super().ainvoke(input, config, caller_config=config, **kwargs)
 
     def _get_relevant_documents(
         self,
@@ -100,14 +109,17 @@ class ChunkCacheRetriever(BaseRetriever):
         *,
         run_manager: CallbackManagerForRetrieverRun,
         conversation_id: str | None = None,
+        caller_config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        base_kwargs = self._base_kwargs(kwargs)
+        k, base_kwargs = self._base_kwargs(
+            kwargs, _takes_k(self.base_retriever, asynchronous=False)
+        )
         with retrieval_scope(self.cache, conversation_id) as scope:
             documents = self.base_retriever.invoke(
-                query, config={"callbacks": run_manager.get_child()}, **base_kwargs
+                query, _child_config(caller_config, run_manager.get_child()), **base_kwargs
             )
-        return self._arrange(documents[: base_kwargs.get("k")], scope.conversation_id)
+        return self._arrange(documents[:k], scope.conversation_id)
 
     async def _aget_relevant_documents(
         self,
@@ -115,22 +127,35 @@ class ChunkCacheRetriever(BaseRetriever):
         *,
         run_manager: AsyncCallbackManagerForRetrieverRun,
         conversation_id: str | None = None,
+        caller_config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        base_kwargs = self._base_kwargs(kwargs)
+        base = self.base_retriever
+        native = _has_native_async(base)
+        k, base_kwargs = self._base_kwargs(kwargs, _takes_k(base, asynchronous=native))
         with retrieval_scope(self.cache, conversation_id) as scope:
-            documents = await self.base_retriever.ainvoke(
-                query, config={"callbacks": run_manager.get_child()}, **base_kwargs
-            )
-        return self._arrange(documents[: base_kwargs.get("k")], scope.conversation_id)
+            if native:
+                config = _child_config(caller_config, run_manager.get_child())
+                documents = await base.ainvoke(query, config, **base_kwargs)
+            else:
+                # langchain-core would run the sync method in a thread too, but drop the
+                # keywords (k) it cannot pass to its default async method: do it here.
+                config = _child_config(caller_config, run_manager.get_sync().get_child())
+                documents = await run_in_executor(None, base.invoke, query, config, **base_kwargs)
+        return self._arrange(documents[:k], scope.conversation_id)
 
-    def _base_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """What the base retriever is asked with: ``k`` (the call's, else ours) and the rest.
-        Its results are cut to that ``k`` too: langchain-core drops a ``k`` the base does not
-        take."""
-        if self.k is not None:
-            return {"k": self.k, **kwargs}
-        return kwargs
+    def _base_kwargs(
+        self, kwargs: dict[str, Any], takes_k: bool
+    ) -> tuple[int | None, dict[str, Any]]:
+        """The ``k`` to cut the results to (the call's unless None, else ours) and the
+        keywords for the base retriever: the call's, and ``k`` if the base can take it (a
+        ``k`` it cannot take would raise TypeError, or be dropped, in langchain-core)."""
+        rest = dict(kwargs)
+        call_k = rest.pop("k", None)
+        k = self.k if call_k is None else call_k
+        if k is not None and takes_k:
+            rest["k"] = k
+        return k, rest
 
     def _arrange(self, documents: list[Document], conversation_id: str | None) -> list[Document]:
         plan = plan_retrieval(
@@ -143,6 +168,39 @@ class ChunkCacheRetriever(BaseRetriever):
         if plan is None:  # an outer wrapper on this cache plans the request
             return documents
         return _documents_from_plan(documents, plan, mark_seen=self.dedupe == "mark")
+
+
+def _child_config(config: RunnableConfig | None, callbacks: BaseCallbackManager) -> RunnableConfig:
+    """The caller's config (its ``configurable``, tags, limits) for the base retriever, with
+    the wrapper's run as the parent of the base's."""
+    return patch_config(config, callbacks=callbacks)
+
+
+def _has_native_async(retriever: BaseRetriever) -> bool:
+    """Whether ``retriever`` has an async path of its own (else langchain-core runs its sync
+    ``_get_relevant_documents`` in a thread)."""
+    cls = type(retriever)
+    return (
+        cls.ainvoke is not BaseRetriever.ainvoke
+        or cls._aget_relevant_documents is not BaseRetriever._aget_relevant_documents
+    )
+
+
+def _takes_k(retriever: BaseRetriever, *, asynchronous: bool) -> bool:
+    """Whether ``k`` can be passed to ``retriever``: it overrides ``(a)invoke`` (which takes
+    ``**kwargs``), or its ``_(a)get_relevant_documents`` names ``k`` or takes ``**kwargs``.
+    A ``k`` it cannot take raises TypeError in langchain-core."""
+    cls = type(retriever)
+    if asynchronous:
+        overridden = cls.ainvoke is not BaseRetriever.ainvoke
+        return overridden or _names_k(cls._aget_relevant_documents)
+    return cls.invoke is not BaseRetriever.invoke or _names_k(cls._get_relevant_documents)
+
+
+@functools.lru_cache(maxsize=256)
+def _names_k(method: Callable[..., Any]) -> bool:
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == "k" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _documents_from_plan(
