@@ -100,6 +100,9 @@ class ChunkCache:
         self.registry = registry if registry is not None else ChunkRegistry(20 * window)
         self.matcher = ChunkMatcher(self.registry)
         self._lock = threading.Lock()
+        # Building a backend can load a model for seconds: under its own lock, so the
+        # retriever side (arrange, which takes _lock) never waits for it.
+        self._backend_lock = threading.Lock()
         self.num_requests = 0
         if self._backend is not None:
             self._follow_evictions(self._backend)
@@ -111,7 +114,7 @@ class ChunkCache:
         A named backend is created on first use (the local one loads the model),
         so the retriever side never pays for it.
         """
-        with self._lock:
+        with self._backend_lock:
             if self._backend is None:
                 assert self._backend_spec is not None
                 self._backend = self._backend_spec.build()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from test_store_support import FP, cache_on, make_variant, promoted
 
@@ -43,6 +45,37 @@ def test_a_named_backend_is_built_on_first_use_only() -> None:
     cache.arrange(["a", "b"])  # the retriever side never builds the backend
     assert cache._backend is None
     assert cache._backend_spec == BackendSpec("http", "http://127.0.0.1:1")
+
+
+def test_arranging_never_waits_for_a_backend_being_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Building the local backend loads a model for seconds; the retriever side (also an
+    # async retriever on the event loop) must not wait for it.
+    from fake_backend import FakeBackend
+
+    building, release = threading.Event(), threading.Event()
+
+    def slow_build(spec: BackendSpec) -> FakeBackend:
+        building.set()
+        assert release.wait(10)
+        return FakeBackend()
+
+    monkeypatch.setattr(BackendSpec, "build", slow_build)
+    cache = ChunkCache(backend="http", base_url="http://127.0.0.1:1")
+    builder = threading.Thread(target=lambda: cache.backend)
+    builder.start()
+    try:
+        assert building.wait(10)
+        arranged = threading.Thread(target=cache.arrange, args=(["a", "b"],))
+        arranged.start()
+        arranged.join(5)
+        assert not arranged.is_alive()  # done while the backend is still being built
+        assert cache.stats()["requests"] == 1
+    finally:
+        release.set()
+        builder.join()
+    assert isinstance(cache.backend, FakeBackend)
 
 
 @pytest.mark.parametrize("tiered", [False, True])
