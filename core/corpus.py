@@ -106,14 +106,6 @@ def topics(chunks: Sequence[CorpusChunk]) -> dict[str, list[CorpusChunk]]:
     return grouped
 
 
-def corpus_digest(chunks: Sequence[CorpusChunk]) -> str:
-    """A short hash of the chunk ids in order: changes whenever the corpus does."""
-    digest = hashlib.blake2b(digest_size=16)
-    for chunk in chunks:
-        digest.update(chunk.chunk_id.encode("ascii"))
-    return digest.hexdigest()
-
-
 def corpus_cache_path(chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Path:
     """Where the extracted corpus for this Python and ``chunk_chars`` is cached."""
     version = ".".join(map(str, sys.version_info[:3]))

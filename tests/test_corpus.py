@@ -13,7 +13,6 @@ from chunkcache.core.corpus import (
     MIN_DOC_CHARS,
     SKIPPED_NAMES,
     corpus_cache_path,
-    corpus_digest,
     extract_corpus,
     load_corpus,
     topics,
@@ -93,11 +92,6 @@ def test_topics_groups_in_corpus_order(full_corpus):
         full_corpus, key=lambda chunk: list(grouped).index(chunk.topic)
     )
     assert all(chunk.topic == topic for topic, group in grouped.items() for chunk in group)
-
-
-def test_digest_follows_the_chunks(full_corpus):
-    assert corpus_digest(full_corpus) == corpus_digest(list(full_corpus))
-    assert corpus_digest(full_corpus) != corpus_digest(full_corpus[1:])
 
 
 def test_invalid_arguments_are_refused():
