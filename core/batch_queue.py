@@ -3,11 +3,12 @@ handles, and the cache-aware waiting queue (RAGCache §5.2)."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,8 +116,8 @@ class RequestHandle:
 
 
 class JobQueue(CacheAwareQueue[Job]):
-    """:class:`CacheAwareQueue` of jobs that can also drop cancelled jobs and re-read every
-    waiting job's cached length (the store changes while they wait)."""
+    """:class:`CacheAwareQueue` of jobs that can also drop cancelled jobs and take new cached
+    lengths for its waiting jobs (the store changes while they wait)."""
 
     def discard(self, drop: Callable[[Job], bool]) -> list[Job]:
         """Remove and return the waiting jobs for which ``drop`` is true."""
@@ -125,10 +126,19 @@ class JobQueue(CacheAwareQueue[Job]):
         self._waiting = [w for w, gone in zip(self._waiting, drops, strict=True) if not gone]
         return dropped
 
-    def refresh(self, count: Callable[[Job], tuple[int, int]]) -> None:
-        """Set every waiting job's (cached, to compute) tokens to ``count(job)``."""
+    def contenders(self) -> list[Job]:
+        """The waiting jobs whose cached lengths decide the next :meth:`pop`: none when one
+        job waits, or when a starved one goes next whatever the lengths."""
+        if len(self._waiting) < 2 or any(w.passed_by >= self.window for w in self._waiting):
+            return []
+        return [waiting.item for waiting in self._waiting]
+
+    def refresh(self, counts: Mapping[Job, tuple[int, int]]) -> None:
+        """Set the (cached, to compute) tokens of every waiting job in ``counts``; the others
+        keep theirs."""
         for waiting in self._waiting:
-            waiting.cached_tokens, waiting.compute_tokens = count(waiting.item)
+            if waiting.item in counts:
+                waiting.cached_tokens, waiting.compute_tokens = counts[waiting.item]
 
 
 def cached_tokens(
@@ -137,7 +147,21 @@ def cached_tokens(
     """RAGCache's cached and computation lengths of a waiting prompt, estimated from the store:
     a segment counts as cached when any variant of it is stored (no loading, no LRU touch for
     a tiered store). Selective recompute and a conversation's own past are not counted."""
-    cached = sum(len(s.ids) for s in segments if _holds(store, fingerprint, s.segment_id))
+    return _count(segments, functools.partial(_holds, store, fingerprint))
+
+
+def cached_counts(
+    store: KVStore, fingerprint: str, jobs: Sequence[Job]
+) -> dict[Job, tuple[int, int]]:
+    """:func:`cached_tokens` of every job, with one store lookup per distinct segment: the
+    waiting prompts share their popular chunks and system text, and on a miss in the local
+    tiers each lookup is a Redis round trip."""
+    holds = functools.cache(functools.partial(_holds, store, fingerprint))
+    return {job: _count(job.segments, holds) for job in jobs}
+
+
+def _count(segments: Sequence[TokenSegment], holds: Callable[[str], bool]) -> tuple[int, int]:
+    cached = sum(len(s.ids) for s in segments if holds(s.segment_id))
     return cached, sum(len(s.ids) for s in segments) - cached
 
 

@@ -19,7 +19,8 @@ def decode_step(lm: LoadedModel, tokens: Sequence[int], kvs: Sequence[SeqKV]) ->
     return every sequence's float32 next-token logits, ``[B, V]``.
 
     The same result, row by row, as :func:`chunkcache.core.model_forward.prefill` of one token
-    on each sequence alone, with each weight read once for the whole batch.
+    on each sequence alone, with each weight read once for the whole batch. A step that
+    raises leaves every sequence's length as it was, so its tokens can be stepped again.
     """
     if not tokens or len(tokens) != len(kvs):
         raise ValueError(f"need one token per sequence, got {len(tokens)} for {len(kvs)}")
@@ -28,6 +29,16 @@ def decode_step(lm: LoadedModel, tokens: Sequence[int], kvs: Sequence[SeqKV]) ->
     window = lm.spec.sliding_window
     if window is not None and any(kv.length + 1 > window for kv in kvs):
         raise ValueError(f"a sequence would exceed the model's sliding window of {window}")
+    lengths = [kv.length for kv in kvs]
+    try:
+        return _step(lm, tokens, kvs)
+    except BaseException:
+        for kv, length in zip(kvs, lengths, strict=True):
+            kv.length = length  # the failed step's slot is spare capacity again
+        raise
+
+
+def _step(lm: LoadedModel, tokens: Sequence[int], kvs: Sequence[SeqKV]) -> Tensor:
     positions = torch.tensor([kv.length for kv in kvs], device=lm.device)  # [B]
     for kv in kvs:
         kv.extend(1)

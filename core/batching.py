@@ -51,7 +51,9 @@ class BatchingBackend:
     ``extra["queue_s"]`` (time waiting) and ``extra["batch_size"]`` (mean batch size over the
     request's decode steps; 0.0 if it ended at its first token). A request whose stream is
     closed or dropped before its end is cancelled and frees its batch slot; its KV is let go
-    as it ends or leaves the batch, even while its consumer still holds the stream.
+    as it ends or leaves the batch, even while its consumer still holds the stream. A
+    batched decode step that fails is taken again one request at a time: only the requests
+    whose own step fails end, each raising its own error object.
     """
 
     def __init__(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from tiny_models import KINDS, TOLERANCE, tiny_lm, token_ids
 
+from chunkcache.core import batch_step
 from chunkcache.core.batch_step import decode_step
 from chunkcache.core.model_forward import prefill
 from chunkcache.core.models import LoadedModel
@@ -65,3 +68,34 @@ def test_bad_batches_are_refused(lm: LoadedModel) -> None:
         decode_step(lm, [1, 2], [kv])
     with pytest.raises(ValueError, match="twice"):
         decode_step(lm, [1, 2], [kv, kv])
+
+
+def test_a_failed_step_leaves_every_sequence_as_it_was(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises mid-way (here in its second layer) can be taken again: the
+    sequences keep their lengths, and the retry computes what a first try would have."""
+    kvs = _prompts(lm)
+    kvs.append(prefill(lm, token_ids(6))[1])  # full: the failed step grew its buffer
+    lengths = [kv.length for kv in kvs]
+    reference = [_copy(kv) for kv in kvs]
+    tokens = [int(t) for t in token_ids(len(kvs), seed=7)]
+    layer_step = batch_step.batch_layer_step
+    calls: list[int] = []
+
+    def failing(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return layer_step(*args)
+
+    monkeypatch.setattr(batch_step, "batch_layer_step", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decode_step(lm, tokens, kvs)
+    assert [kv.length for kv in kvs] == lengths
+    logits = decode_step(lm, tokens, kvs)
+    expected = decode_step(lm, tokens, reference)
+    assert (logits - expected).abs().max() < TOLERANCE
+    for got, want in zip(kvs, reference, strict=True):
+        assert got.length == want.length
+        assert (got.keys() - want.keys()).abs().max() < TOLERANCE
