@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 
 import torch
@@ -268,6 +269,9 @@ class Scheduler:
 
     def _fail(self, job: Job, error: BaseException) -> None:
         self._end(job, "failed_total", time.perf_counter())
+        # The traceback's frames hold the failed step's tensors (the job's KV among them)
+        # for as long as the consumer keeps the error; lines and names stay for printing.
+        traceback.clear_frames(error.__traceback__)
         job.events.put(error)
 
     def _end(self, job: Job, counter: str, now: float) -> None:

@@ -3,8 +3,10 @@ error object (tiny random Llama, float32; every wait is bounded)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import traceback
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,3 +142,27 @@ def test_a_step_failing_for_all_gives_each_request_its_own_error(
         frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
         assert frames.count("__next__") == 1
     assert backend.metrics()["failed_total"] == 3
+
+
+def test_a_failed_requests_error_lets_its_tensors_go(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error a consumer keeps must not keep the failed step's tensors (its KV, on a real
+    model up to hundreds of MB) alive through its traceback's frames."""
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def failing(model: LoadedModel, tokens: Sequence[int], kvs: Sequence[SeqKV]) -> torch.Tensor:
+        scratch = torch.zeros(1024)  # stands for the step's own tensors
+        held.append(weakref.ref(scratch))
+        raise RuntimeError("the decode step broke")
+
+    monkeypatch.setattr(batch_scheduler, "decode_step", failing)
+    backend = BatchingBackend(ChunkEngine(lm), max_batch=4)
+    try:
+        [error] = read_in_threads([backend.submit(plain(10, 1, max_tokens=20))])
+    finally:
+        assert backend.shutdown(timeout_s=TIMEOUT_S)
+    assert isinstance(error, RuntimeError)
+    assert "failing" in [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    gc.collect()
+    assert held and all(ref() is None for ref in held)
