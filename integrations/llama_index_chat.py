@@ -115,7 +115,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self._retriever = retriever
         self._conversation_id: str = retriever.conversation_id
         self._llm = _bound(llm, retriever.cache, self._conversation_id)
-        self._system_message = ChatMessage(role=llm.metadata.system_role, content=system_prompt)
+        self._system_message = ChatMessage(role=_system_role(llm), content=system_prompt)
         self._context_template = context_template
         self._max_history_turns = max_history_turns
         self._history: list[ChatMessage] = []
@@ -294,6 +294,12 @@ def _bound(llm: LLM, cache: ChunkCache, conversation_id: str) -> LLM:
             f"the engine's is {conversation_id!r}"
         )
     return llm.for_conversation(conversation_id)
+
+
+def _system_role(llm: LLM) -> MessageRole:
+    """The role of ``llm``'s system message; a ChunkCacheLLM's is known without reading its
+    metadata, which loads the model (an async app may build an engine on its event loop)."""
+    return MessageRole.SYSTEM if isinstance(llm, ChunkCacheLLM) else llm.metadata.system_role
 
 
 def _is_user(message: ChatMessage) -> bool:

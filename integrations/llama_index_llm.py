@@ -21,6 +21,19 @@ LLM to the engine's conversation itself::
 
     engine = ChunkCacheChatEngine.from_defaults(retriever, llm=ChunkCacheLLM())
 
+LlamaIndex's query engines pack retrieved text up to ``metadata.context_window``
+counting tokens with ``Settings.tokenizer`` (tiktoken unless set), not the model's
+tokenizer, so a prompt they fill can exceed the window and be refused
+(:class:`~chunkcache.core.errors.PromptTooLongError`; their refine step only logs it
+and answers without that text).  :meth:`ChunkCacheLLM.prompt_helper` counts as the
+model does, per engine::
+
+    synthesizer = get_response_synthesizer(llm=llm, prompt_helper=llm.prompt_helper())
+    engine = index.as_query_engine(llm=llm, response_synthesizer=synthesizer)
+
+The model is loaded on first use; an async call loads it in a worker thread, so the
+event loop runs on meanwhile.
+
 Per-call keywords: ``chunks`` (nodes, or (chunk id, text) pairs, for chunks the
 registry does not hold), ``conversation_id``, ``recompute``, ``recompute_ratio``,
 ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``.
@@ -29,8 +42,10 @@ registry does not hold), ``conversation_id``, ``recompute``, ``recompute_ratio``
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
@@ -47,13 +62,14 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
-from chunkcache.core.cache import default_cache
+from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
@@ -77,6 +93,7 @@ from chunkcache.integrations.llama_index_fields import (
     CacheField,
     ConversationIdField,
 )
+from chunkcache.integrations.llama_index_tokens import model_prompt_helper, refusal_explained
 
 __all__ = ["ChunkCacheLLM"]
 
@@ -87,6 +104,29 @@ _ROLES = {
 }
 
 ChunkLike = BaseNode | NodeWithScore | tuple[str, str]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What :class:`ChunkCacheLLM`'s metadata takes from the backend."""
+
+    context_window: int
+    is_chat_model: bool
+    model_name: str
+
+
+def _loading_first(
+    method: Callable[..., Coroutine[Any, Any, _T]],
+) -> Callable[..., Coroutine[Any, Any, _T]]:
+    """``method``, called once the model facts are read (off the event loop)."""
+
+    @functools.wraps(method)
+    async def loaded(self: ChunkCacheLLM, *args: Any, **kwargs: Any) -> _T:
+        await self._aload()
+        return await method(self, *args, **kwargs)
+
+    return loaded
 
 
 class ChunkCacheLLM(LLM):
@@ -110,6 +150,8 @@ class ChunkCacheLLM(LLM):
     stop: list[str] | None = None
     seed: int | None = None
     conversation_id: ConversationIdField = None
+    # (the cache they were read from, the facts): see _model_facts
+    _facts: tuple[ChunkCache, _ModelFacts] | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -117,18 +159,44 @@ class ChunkCacheLLM(LLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        backend = self.cache.backend
-        window = getattr(backend, "context_window", None)
+        facts = self._model_facts()
         return LLMMetadata(
-            context_window=window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW,
+            context_window=facts.context_window,
             num_output=self.max_tokens,
-            is_chat_model=_has_chat_template(backend),
-            model_name=backend_model_name(backend),
+            is_chat_model=facts.is_chat_model,
+            model_name=facts.model_name,
         )
 
     def for_conversation(self, conversation_id: str) -> ChunkCacheLLM:
         """A copy bound to ``conversation_id``, sharing this LLM's cache."""
         return self.model_copy(update={"conversation_id": check_conversation_id(conversation_id)})
+
+    def prompt_helper(self, **kwargs: Any) -> PromptHelper:
+        """A LlamaIndex ``PromptHelper`` that counts tokens as this model does.
+
+        LlamaIndex's response synthesizers pack retrieved text up to
+        ``metadata.context_window`` counting with ``Settings.tokenizer`` (tiktoken unless
+        set), so with another tokenizer a full prompt can exceed the model's window and
+        be refused.  This helper counts with the model's tokenizer, and counts chat
+        prompts as the chat template renders them; give it to the engine::
+
+            synthesizer = get_response_synthesizer(llm=llm, prompt_helper=llm.prompt_helper())
+            engine = index.as_query_engine(llm=llm, response_synthesizer=synthesizer)
+
+        ``kwargs`` go to ``PromptHelper.from_llm_metadata`` (``chunk_size_limit``,
+        ``chunk_overlap_ratio``, ``separator``).  With a backend that has no tokenizer in
+        this process (``http``), the helper counts as LlamaIndex does.
+        """
+        tokenizer = getattr(self.cache.backend, "tokenizer", None)
+        if tokenizer is None:
+            return PromptHelper.from_llm_metadata(self.metadata, **kwargs)
+
+        def render(messages: list[ChatMessage]) -> str:
+            return self._chat_prompt(self._extend_messages(messages))
+
+        return model_prompt_helper(
+            self.metadata, tokenizer, render, self.system_prompt or "", **kwargs
+        )
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -149,29 +217,69 @@ class ChunkCacheLLM(LLM):
         return self._stream_chat(messages, kwargs)
 
     # Async variants run the blocking work in worker threads, piece by piece, so a
-    # cancelled task stops its request (also while it waits for the engine).
+    # cancelled task stops its request (also while it waits for the engine).  Each first
+    # reads the model facts in a thread: LlamaIndex reads ``metadata`` on the event loop
+    # before our code runs (callbacks, predict), and the first read loads the model.
+    @_loading_first
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         return await self._acomplete(self._completion_prompt(prompt, formatted), kwargs)
 
+    @_loading_first
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         return self._astream(self._completion_prompt(prompt, formatted), kwargs)
 
+    @_loading_first
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt = await asyncio.to_thread(self._chat_prompt, messages)
         return _as_chat(await self._acomplete(prompt, kwargs))
 
+    @_loading_first
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
         return self._astream_chat(messages, kwargs)
+
+    # LlamaIndex's async helpers that read ``metadata`` before calling the ones above.
+    apredict = _loading_first(LLM.apredict)
+    astream = _loading_first(LLM.astream)
+    astructured_predict = _loading_first(LLM.astructured_predict)
+    astream_structured_predict = _loading_first(LLM.astream_structured_predict)
+    apredict_and_call = _loading_first(LLM.apredict_and_call)
+
+    async def _aload(self) -> None:
+        """Read the model facts in a worker thread unless they are known."""
+        if self._known_facts() is None:
+            await asyncio.to_thread(self._model_facts)
+
+    def _known_facts(self) -> _ModelFacts | None:
+        """The model facts if already read from this LLM's cache."""
+        if self._facts is not None and self._facts[0] is self.cache:
+            return self._facts[1]
+        return None
+
+    def _model_facts(self) -> _ModelFacts:
+        """What ``metadata`` says about the model, read once per cache: building the
+        backend loads the model, and an http or vllm backend asks its server."""
+        known = self._known_facts()
+        if known is not None:
+            return known
+        backend = self.cache.backend
+        window = getattr(backend, "context_window", None)
+        facts = _ModelFacts(
+            context_window=window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW,
+            is_chat_model=_has_chat_template(backend),
+            model_name=backend_model_name(backend),
+        )
+        self._facts = (self.cache, facts)
+        return facts
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         return _as_chat(self._complete(self._chat_prompt(messages), kwargs))
@@ -183,7 +291,8 @@ class ChunkCacheLLM(LLM):
             yield _as_chat(response)
 
     def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
-        text, stats = generate(self.cache.backend, self._request(prompt, kwargs))
+        with refusal_explained():
+            text, stats = generate(self.cache.backend, self._request(prompt, kwargs))
         return _completion(text, None, stats)
 
     async def _astream_chat(
@@ -196,20 +305,23 @@ class ChunkCacheLLM(LLM):
     async def _astream(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
         request = await asyncio.to_thread(self._request, prompt, kwargs)
         text = ""
-        async for piece in arun_stream(self.cache.backend, request):
-            text += piece.text
-            yield _completion(text, piece.text, piece.stats)
+        with refusal_explained():
+            async for piece in arun_stream(self.cache.backend, request):
+                text += piece.text
+                yield _completion(text, piece.text, piece.stats)
 
     async def _acomplete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         request = await asyncio.to_thread(self._request, prompt, kwargs)
-        text, stats = await agenerate(self.cache.backend, request)
+        with refusal_explained():
+            text, stats = await agenerate(self.cache.backend, request)
         return _completion(text, None, stats)
 
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
         text = ""
-        for piece in run_stream(self.cache.backend, self._request(prompt, kwargs)):
-            text += piece.text
-            yield _completion(text, piece.text, piece.stats)
+        with refusal_explained():
+            for piece in run_stream(self.cache.backend, self._request(prompt, kwargs)):
+                text += piece.text
+                yield _completion(text, piece.text, piece.stats)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if formatted or self.completion_to_prompt is None:
