@@ -1,12 +1,12 @@
 """Chunk orderings: the retriever's, CRAFT's frequency order, and our tree-guided order.
 
 Frequency order (CRAFT §4.2) sorts a request's chunks by descending access count.
-Tree-guided order is our step beyond it: walk down the chunk-prefix tree of
-earlier orders, at each level taking the most visited child that the request
-contains, so a request follows the path earlier requests travelled most (greedily:
-not always the longest one it covers); the chunks left over follow in frequency
-order.  Both are deterministic functions of the table and tree state, so equal
-chunk sets get equal orders.
+Tree-guided order is our step beyond it: among the chunk-prefix tree's paths
+that the request's chunks cover, follow the deepest one, so the request starts
+with the longest chunk-prefix the tree caches; where paths tie in depth, take the
+most visited child at the level they part.  The chunks left over follow in
+frequency order.  Both are deterministic functions of the table and tree state,
+so equal chunk sets get equal orders.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Literal, get_args
 
 from chunkcache.core.access_table import AccessTable
-from chunkcache.core.prefix_tree import ChunkPrefixTree
+from chunkcache.core.prefix_tree import ChunkPrefixTree, PrefixNode
 
 Ordering = Literal["tree", "frequency", "retriever"]
 ORDERINGS: tuple[Ordering, ...] = get_args(Ordering)
@@ -31,18 +31,52 @@ def check_ordering(ordering: str) -> Ordering:
 def tree_guided_order(
     chunk_ids: Sequence[str], table: AccessTable, tree: ChunkPrefixTree
 ) -> list[str]:
-    """Follow the most visited tree path the request covers, then the rest by frequency."""
+    """Follow the deepest tree path the request covers (the most visited where paths
+    tie in depth), then the rest by frequency."""
+    covered, heights = _covered_paths(tree.root, set(chunk_ids))
     remaining = dict.fromkeys(chunk_ids)
     ordered: list[str] = []
-    node = tree.root
-    while remaining:
-        present = [node.children[cid] for cid in remaining if cid in node.children]
-        if not present:
-            break
-        node = min(present, key=lambda n: (-n.visits, *table.sort_key(n.chunk_id)))
+    children = covered[tree.root]
+    while children:
+        node = min(children, key=lambda n: (-heights[n], -n.visits, *table.sort_key(n.chunk_id)))
         ordered.append(node.chunk_id)
         del remaining[node.chunk_id]
+        children = covered[node]
     return ordered + table.order_by_frequency(list(remaining))
+
+
+def _covered_paths(
+    root: PrefixNode, wanted: set[str]
+) -> tuple[dict[PrefixNode, list[PrefixNode]], dict[PrefixNode, int]]:
+    """Each reachable node's covered children, and the depth of its deepest covered path.
+
+    A node is reachable when its path from the root is made of distinct ``wanted``
+    chunks (an order holds each chunk once).  One depth-first walk of the tree
+    restricted to those paths; a node's height is set when the walk leaves it,
+    after all its children.
+    """
+    covered: dict[PrefixNode, list[PrefixNode]] = {}
+    heights: dict[PrefixNode, int] = {}
+    on_path: set[str] = set()
+    stack: list[tuple[PrefixNode, bool]] = [(root, False)]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            children = covered[node]
+            heights[node] = 1 + max([heights[c] for c in children]) if children else 0
+            on_path.discard(node.chunk_id)
+            continue
+        if node is not root:
+            on_path.add(node.chunk_id)
+        # The intersection iterates the smaller side: a request's few chunks or a
+        # node's few children.
+        children = [
+            node.children[cid] for cid in node.children.keys() & wanted if cid not in on_path
+        ]
+        covered[node] = children
+        stack.append((node, True))
+        stack += [(child, False) for child in children]
+    return covered, heights
 
 
 def order_chunks(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -97,6 +98,61 @@ def test_tree_guided_order_takes_the_most_visited_child_at_each_level() -> None:
     table.record(["x"])
     table.record(["x"])
     assert tree_guided_order(["x", "y", "r"], table, tree) == ["r", "y", "x"]
+
+
+def _tree_of(paths: list[tuple[list[str], int]]) -> ChunkPrefixTree:
+    """A tree (threshold 1) that served each path the given number of times."""
+    tree = ChunkPrefixTree(promotion_threshold=1)
+    for path, times in paths:
+        for _ in range(times):
+            tree.update(path, lambda _: 1)
+    return tree
+
+
+def test_tree_guided_order_takes_the_deepest_path_over_a_more_visited_one() -> None:
+    # A greedy walk by visits takes [a] and matches 1 chunk; [b, c, d] matches 3.
+    tree = _tree_of([(["a"], 3), (["b", "c", "d"], 1)])
+    table = AccessTable()
+    order = tree_guided_order(["a", "b", "c", "d"], table, tree)
+    assert order == ["b", "c", "d", "a"]
+    assert tree.longest_prefix_length(order) == 3
+    # Covering only part of the deep path still beats the shallow one: 2 > 1.
+    assert tree_guided_order(["a", "c", "b"], table, tree) == ["b", "c", "a"]
+
+
+def test_tree_guided_order_takes_the_deeper_branch_below_a_shared_node() -> None:
+    tree = _tree_of([(["r", "x"], 3), (["r", "y", "z"], 1)])
+    assert tree_guided_order(["x", "y", "z", "r"], AccessTable(), tree) == ["r", "y", "z", "x"]
+    # Without z the branches tie in depth, and visits decide.
+    assert tree_guided_order(["x", "y", "r"], AccessTable(), tree) == ["r", "x", "y"]
+
+
+def test_tree_guided_order_uses_each_chunk_once_on_a_path_that_repeats_one() -> None:
+    # tree.update takes any sequence; a path through a twice is not an order of {a, b}.
+    tree = _tree_of([(["a", "a", "b"], 3), (["b", "a"], 1)])
+    order = tree_guided_order(["a", "b"], AccessTable(), tree)
+    assert order == ["b", "a"]
+    assert tree.longest_prefix_length(order) == 2
+
+
+def test_tree_guided_order_follows_a_long_path_without_recursion() -> None:
+    path = [f"c{i}" for i in range(5000)]
+    tree = _tree_of([(path, 1)])
+    assert tree_guided_order(path[::-1], AccessTable(), tree) == path
+
+
+@given(
+    st.lists(st.tuples(request, st.integers(1, 3)), max_size=12),
+    st.lists(st.sampled_from([f"c{i}" for i in range(6)]), max_size=5, unique=True),
+)
+@settings(max_examples=150, deadline=None)
+def test_tree_guided_order_matches_the_longest_prefix_any_order_would(
+    paths: list[tuple[list[str], int]], ids: list[str]
+) -> None:
+    tree = _tree_of(paths)
+    order = tree_guided_order(ids, AccessTable(), tree)
+    best = max((tree.longest_prefix_length(p) for p in itertools.permutations(ids)), default=0)
+    assert tree.longest_prefix_length(order) == best
 
 
 def test_tree_guided_ties_in_visits_go_by_frequency_then_first_access() -> None:
