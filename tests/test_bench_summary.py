@@ -164,3 +164,10 @@ def test_a_two_part_report_is_stamped_with_one_part_s_command_and_commit(tmp_pat
     (tmp_path / "engine.json").write_text(json.dumps(report))
     text = summary_markdown(tmp_path)
     assert "| `chunkcache bench engine --part speed` | bbbbbbb |" in text
+
+
+def test_the_published_summary_is_the_one_its_reports_give() -> None:
+    """A re-run report without a regenerated summary leaves docs/benchmarks/README.md naming
+    old commits and figures (``chunkcache bench summary`` writes it)."""
+    published = (PUBLISHED / "README.md").read_text(encoding="utf-8")
+    assert published == summary_markdown(PUBLISHED), "run `chunkcache bench summary`"
