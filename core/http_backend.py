@@ -9,9 +9,11 @@ server (``POST /v1/chunkcache/render``), which holds the tokenizer.
 >>> backend = HttpBackend("http://127.0.0.1:8000")  # doctest: +SKIP
 >>> llm = ChunkCacheLLM(cache=ChunkCache(backend=backend))  # doctest: +SKIP
 
-Errors: the server unreachable, timing out, failing or answering something other than
-the JSON it should -> :class:`BackendUnavailableError`; a 429 -> :class:`QueueFullError`
-(with the server's Retry-After, seconds or a date); a 503 -> :class:`ShuttingDownError`;
+Errors: the server unreachable, timing out, failing, breaking off an answer, redirecting
+or answering something other than the JSON it should -> :class:`BackendUnavailableError`;
+a 429 -> :class:`QueueFullError` (with the server's Retry-After, seconds or a date); a
+503 ``shutting_down`` -> :class:`ShuttingDownError` (its other 503, a failed engine, is
+a :class:`BackendUnavailableError`, as the local backends raise);
 a 400, 404 or 413 -> ValueError with the server's message (:class:`PromptTooLongError`,
 as the local backends raise, for a 400 ``prompt_too_long``); a ``base_url`` that is not an
 http(s) URL with a host -> ValueError when the backend is made
@@ -45,6 +47,8 @@ _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
 _DEFAULT_RETRY_AFTER_S = 1.0
 _COMPLETIONS = "POST /v1/completions"
 _SERVER = "chunkcache serve"
+# The connection broke before an answer (not a timeout: that server may still be working).
+_NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class HttpBackend:
@@ -59,6 +63,11 @@ class HttpBackend:
         timeout_s: float = 600.0,
     ) -> None:
         root = server_root(base_url)
+        # 0 timed out every request as "unreachable"; inf or NaN failed inside httpx later
+        if isinstance(timeout_s, bool) or not (
+            isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = root
         self._model = model
@@ -92,16 +101,13 @@ class HttpBackend:
         carries the server's stats."""
         stats: GenerationStats | None = None
         with self._request("POST", "/v1/completions", self._body(request)) as response:
-            try:
-                for event in completion_events(response.iter_lines(), _COMPLETIONS, _SERVER):
-                    for choice in event.get("choices") or ():
-                        text = shaped(choice, _COMPLETIONS, _SERVER, text=str | None).get("text")
-                        if text:
-                            yield GenerationChunk(text)
-                    if event.get("usage"):
-                        stats = _stats(event["usage"])
-            except httpx.HTTPError as error:
-                raise BackendUnavailableError(f"chunkcache serve stream broke: {error}") from error
+            for event in completion_events(response.iter_lines(), _COMPLETIONS, _SERVER):
+                for choice in event.get("choices") or ():
+                    text = shaped(choice, _COMPLETIONS, _SERVER, text=str | None).get("text")
+                    if text:
+                        yield GenerationChunk(text)
+                if event.get("usage"):
+                    stats = _stats(event["usage"])
         if stats is None:
             raise BackendUnavailableError("chunkcache serve ended the stream without usage")
         yield GenerationChunk("", stats)
@@ -155,25 +161,42 @@ class HttpBackend:
 
 
 class _Response:
-    """A streamed request whose failures become chunkcache errors on entry."""
+    """A streamed request whose failures become chunkcache errors: on entry (unreachable,
+    an error status) and while its body is read (the server or the connection broke).
+
+    A connection that breaks before any answer is tried once more on a new one: the pooled
+    connection may be one the server closed as idle just as the request went out (uvicorn
+    does after 5 s), and a request without an answer is safe to send again (generating
+    changes nothing but the cache)."""
 
     def __init__(self, client: httpx.Client, method: str, path: str, body: Any) -> None:
-        self._context = client.stream(method, path, json=body)
+        self._where = f"{method} {path}"
+        self._open = lambda: client.stream(method, path, json=body)
+        self._context = self._open()
 
     def __enter__(self) -> httpx.Response:
         try:
-            response = self._context.__enter__()
+            try:
+                response = self._context.__enter__()
+            except _NO_ANSWER:
+                self._context = self._open()
+                response = self._context.__enter__()
         except httpx.HTTPError as error:
             raise BackendUnavailableError(f"chunkcache serve unreachable: {error}") from error
-        if response.status_code >= 400:
+        if not response.is_success:
             try:
                 _raise_for(response)
-            finally:
-                self._context.__exit__(None, None, None)
+            except BaseException as error:
+                self.__exit__(type(error), error, error.__traceback__)
+                raise
         return response
 
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
+        self._context.__exit__(kind, error, traceback)
+        if isinstance(error, httpx.HTTPError):
+            raise BackendUnavailableError(
+                f"chunkcache serve broke off its answer to {self._where}: {error}"
+            ) from error
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -185,10 +208,13 @@ def _raise_for(response: httpx.Response) -> None:
     if status == 429:
         retry = _retry_after_s(response.headers.get("retry-after", ""))
         raise QueueFullError(f"chunkcache serve is full: {message}", retry_after_s=retry)
-    if status == 503:
+    # Only the server's own word: its other 503 is a failed engine, a proxy's a dead server.
+    if status == 503 and code == "shutting_down":
         raise ShuttingDownError(f"chunkcache serve is shutting down: {message}")
     if status in (400, 404, 413):
         raise ValueError(f"chunkcache serve refused the request ({status}): {message}")
+    if response.is_redirect:
+        message = f"a redirect to {response.headers.get('location')!r}: use that base_url"
     raise BackendUnavailableError(f"chunkcache serve answered {status}: {message}")
 
 

@@ -74,9 +74,9 @@ def create_app(
         ServeMiddleware, metrics=state.metrics, max_bytes=state.settings.max_body_bytes
     )
     app.add_exception_handler(RequestValidationError, handle_validation_error)
+    # Anything else is ServeMiddleware's logged 500.
     for expected in (ServeError, ChunkCacheError, ValueError, TypeError):
         app.add_exception_handler(expected, handle_error)
-    app.add_exception_handler(Exception, handle_error)  # 500, logged
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_open_routes(state))
     app.include_router(_v1_routes(state))
@@ -117,11 +117,14 @@ def _v1_routes(state: ServeState) -> APIRouter:
 
     @router.post("/chunks")
     async def chunks(body: ChunksBody) -> dict[str, Any]:
-        pairs = [c.pair() for c in body.chunks]
-        kept = [cid for cid, text in pairs if state.cache.registry.register(cid, text)]
+        # An id sent twice ends as its last text left it (a text too large drops the id).
+        kept: dict[str, bool] = {}
+        for chunk in body.chunks:
+            cid, text = chunk.pair()
+            kept[cid] = state.cache.registry.register(cid, text)
         return {
-            "registered": kept,
-            "too_large": [cid for cid, _ in pairs if cid not in kept],
+            "registered": [cid for cid, ok in kept.items() if ok],
+            "too_large": [cid for cid, ok in kept.items() if not ok],
             "total": len(state.cache.registry),
         }
 
@@ -182,7 +185,9 @@ def _check_key(request: Request, api_key: SecretStr) -> None:
 
 async def _http_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, HTTPException)
-    return ServeError(error.status_code, str(error.detail), code=None).response()
+    # a 405 keeps its Allow header
+    headers = dict(error.headers or {})
+    return ServeError(error.status_code, str(error.detail), headers=headers).response()
 
 
 __all__ = ["create_app"]

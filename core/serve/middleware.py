@@ -4,6 +4,8 @@ A body over ``max_bytes`` (by ``Content-Length``, or counted as it streams in) i
 answered 413 before the route parses it.  Every response's status is counted in
 :class:`ServeMetrics`; an ``X-Request-Id`` header is echoed back, so a client can tell
 its requests' answers apart (the load test checks none is lost or answered twice).
+An unexpected error is answered here too (a logged 500), so it is counted and echoed like
+any other answer: Starlette's own 500 handler sits outside every middleware.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chunkcache.core.serve.errors import serve_error
 from chunkcache.core.serve.metrics import ServeMetrics
 from chunkcache.core.serve.schemas import error_body
 
@@ -53,7 +56,12 @@ class ServeMiddleware:
             too_large[0] = True
             await send_counted({})
         else:
-            await self.app(scope, self._limited(receive, too_large), send_counted)
+            try:
+                await self.app(scope, self._limited(receive, too_large), send_counted)
+            except Exception as error:
+                if status:  # the answer started: too late for another
+                    raise
+                await serve_error(error).response()(scope, receive, send_counted)
         if status:
             self.metrics.response(path, status[0])
 

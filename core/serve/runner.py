@@ -94,6 +94,8 @@ class Runner:
             source = iter(await asyncio.to_thread(self.backend.stream, request))
         except BaseException as error:
             ticket.release(_outcome(error))
+            if isinstance(error, QueueFullError):  # the backend's own queue: our least wait
+                error.retry_after_s = max(error.retry_after_s, self.retry_after_s)
             raise
         cancel: Callable[[], None] = getattr(source, "cancel", _nothing)
         pieces = aiterate(source)

@@ -9,7 +9,9 @@ Every generation request may carry a ``chunkcache`` object (with the ``openai`` 
 
 A chunk without ``id`` gets its content hash, as the retrievers compute it.  Fields
 OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, ...) are refused
-with a 400 rather than silently ignored; other unknown fields are ignored.
+with a 400 rather than silently ignored; other unknown fields are ignored.  A null
+``temperature``, ``top_p``, ``n``, ``stream`` or ``chunkcache`` means its default, as
+OpenAI reads it; ``stop`` takes at most 16 strings.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from chunkcache.core.chunk_ids import check_unicode, chunk_id
 from chunkcache.core.generation import Policy
 
 MAX_CHUNKS_PER_REQUEST = 10_000
+# Every stop string is searched for in the whole answer at every token, on the engine's
+# thread: 200,000 of them (2.8 MB) cost 0.16 s a token and stalled every request in the
+# batch.  OpenAI takes 4; this is lenient with clients written for other servers.
+MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
 # Present and not null/false/empty: the request asks for something this server cannot do.
@@ -88,6 +94,11 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+# OpenAI's API takes null for these as "the default" (the openai client sends
+# temperature=None as null): dropped before validation, so their defaults apply.
+NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "chunkcache"})
+
+
 class GenerationBody(BaseModel):
     """What chat and text completions share: sampling, streaming, the extension."""
 
@@ -98,13 +109,20 @@ class GenerationBody(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     chunkcache: ChunkCacheOptions = Field(default_factory=ChunkCacheOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> GenerationBody:
