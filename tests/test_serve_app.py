@@ -171,6 +171,9 @@ def error_of(response: object) -> tuple[int, str]:
         chat(chunkcache={"recompute_ratio": 2}),
         chat(tools=[{"type": "function", "function": {"name": "f"}}]),
         chat(n=2),
+        chat(frequency_penalty=0.5),
+        chat(presence_penalty=-1),
+        {"model": MODEL, "prompt": "Hello", "best_of": 2},
         chat("x" * 200_001),
         chat(chunkcache={"chunks": [{"id": "bad id!", "text": CHUNK}]}),
         {"model": MODEL, "prompt": ["a", "b"]},
@@ -180,6 +183,20 @@ def error_of(response: object) -> tuple[int, str]:
 def test_bad_input_is_a_400(client: TestClient, body: dict[str, object]) -> None:
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     assert error_of(client.post(path, json=body)) == (400, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(frequency_penalty=0, presence_penalty=0.0),
+        {"model": MODEL, "prompt": "Hello", "best_of": 1},
+    ],
+)
+def test_openai_defaults_of_unsupported_fields_pass(
+    client: TestClient, body: dict[str, object]
+) -> None:
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    assert client.post(path, json=body).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,9 @@ UNSUPPORTED = (
     "suffix",
     "audio",
     "prediction",
+    # 0 (OpenAI's default) passes: it equals False below
+    "frequency_penalty",
+    "presence_penalty",
 )
 
 
@@ -132,6 +135,8 @@ class GenerationBody(BaseModel):
             raise ValueError(f"unsupported by chunkcache serve: {', '.join(asked)}")
         if extra.get("response_format") not in (None, {"type": "text"}):
             raise ValueError("unsupported by chunkcache serve: response_format")
+        if extra.get("best_of") not in (None, 1):  # completions' default is 1
+            raise ValueError("unsupported by chunkcache serve: best_of")
         return self
 
     def requested_max_tokens(self) -> int | None:
