@@ -1,6 +1,6 @@
 """CRAFT §4.3's multi-turn layout for LangChain chat chains.
 
-``RunnableWithMessageHistory`` normally stores only the user's question, and a
+A LangChain chat history normally stores only the user's question, and a
 typical RAG prompt puts this turn's context before the history or in the system
 message.  Both break chunk reuse across turns: the chunks of turn t vanish from
 the prompt of turn t+1 (so dropping repeats would lose them), and whatever
@@ -38,19 +38,16 @@ was saved may leave out a chunk of that unsaved turn.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
+from langchain_core.runnables import ConfigurableFieldSpec, Runnable, RunnableConfig
 from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.fallbacks import RunnableWithFallbacks
-from langchain_core.runnables.history import RunnableWithMessageHistory
 
 from chunkcache.core.chat_turns import (
     CHUNK_IDS_KEY,
@@ -59,6 +56,13 @@ from chunkcache.core.chat_turns import (
     trimmed,
 )
 from chunkcache.integrations.langchain import ChunkCacheRetriever
+from chunkcache.integrations.langchain_chat_turns import (
+    SESSION_ID,
+    ChatTurns,
+    SessionHistory,
+    Turn,
+    history_lookup,
+)
 
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
@@ -105,7 +109,7 @@ def chunk_chat_prompt(
 def with_chunk_history(
     chain: Runnable[dict[str, Any], Any],
     retriever: Runnable[str, list[Document]],
-    get_session_history: Callable[..., BaseChatMessageHistory],
+    get_session_history: Callable[..., SessionHistory],
     *,
     question_key: str = "question",
     history_key: str = "history",
@@ -113,31 +117,31 @@ def with_chunk_history(
     turn_template: str = DEFAULT_TURN_TEMPLATE,
     document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
     max_history_turns: int | None = None,
-    **history_kwargs: Any,
+    history_factory_config: Sequence[ConfigurableFieldSpec] | None = None,
+    output_messages_key: str | None = None,
 ) -> Runnable[dict[str, Any], Any]:
     """Wrap ``chain`` so each turn's chunks are stored in that turn's user message.
 
     ``chain`` receives the input dict plus ``history_key`` (earlier messages) and
     ``turn_key`` (a one-message list holding this turn's chunks and question); see
-    :func:`chunk_chat_prompt`.  The conversation is the history's key values (the
-    ``session_id`` ``RunnableWithMessageHistory`` reads, by default), passed to the
+    :func:`chunk_chat_prompt`.  ``get_session_history`` is called as
+    ``RunnableWithMessageHistory`` called it: with ``config["configurable"]["session_id"]``,
+    or with the ids of the ``history_factory_config`` fields as keyword arguments, or with
+    nothing when it takes no argument.  Those values are the conversation, passed to the
     retriever as its ``conversation_id``; a retriever wrapped by ``with_config`` works.
     ``max_history_turns`` (None: no limit) bounds the earlier turns a prompt carries:
     past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
     so the cached prefix breaks once every few turns rather than every turn.  Trimming
     deletes those turns from the session history itself (a persistent one included).
-    Extra keyword arguments go to ``RunnableWithMessageHistory``.
+    The turn's user message and answer are saved once the chain has returned (or its
+    stream has been read to the end); a chain that raises saves nothing.  A chain that
+    returns a dict holds the answer under ``output_messages_key`` (or its only key).
     """
     if max_history_turns is not None and max_history_turns < 1:
         raise ValueError(f"max_history_turns must be >= 1, got {max_history_turns}")
-    with_history = RunnableWithMessageHistory(
-        chain,
-        get_session_history,
-        input_messages_key=turn_key,
-        history_messages_key=history_key,
-        **history_kwargs,
-    )
-    history_keys = [spec.id for spec in with_history.history_factory_config]
+    specs = list(history_factory_config or [SESSION_ID])
+    history_keys = [spec.id for spec in specs]
+    history_of = history_lookup(get_session_history, history_keys)
     chunk_retriever = _chunk_cache_retriever(retriever)
 
     def conversation_of(config: RunnableConfig) -> str | None:
@@ -150,20 +154,6 @@ def with_chunk_history(
         joined = values[0] if len(values) == 1 else json.dumps(values)
         return joined if len(joined) <= 200 else hashlib.sha256(joined.encode()).hexdigest()
 
-    takes_keys = bool(inspect.signature(get_session_history).parameters)
-
-    def session_history(config: RunnableConfig) -> BaseChatMessageHistory | None:
-        """The history ``with_history`` will use (called as it calls the factory); None when
-        the config lacks its keys."""
-        configurable = config.get("configurable", {})
-        if not takes_keys:
-            return get_session_history()
-        if any(key not in configurable for key in history_keys):
-            return None  # RunnableWithMessageHistory reports the missing keys
-        if len(history_keys) == 1:
-            return get_session_history(configurable[history_keys[0]])
-        return get_session_history(**{key: configurable[key] for key in history_keys})
-
     def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
         conversation_id = conversation_of(config)
         if chunk_retriever is not None and conversation_id is not None:
@@ -171,27 +161,24 @@ def with_chunk_history(
             held = held_chunk_ids(messages, _is_user, _text_of, cache.registry.get)
             cache.ledger.replace(conversation_id, held)
 
-    def prepare(config: RunnableConfig) -> None:
-        history = session_history(config)
-        if history is None:
-            return
+    def prepare(history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
+        """The earlier messages this turn's prompt carries, trimmed (in the history too)."""
         messages = history.messages
         kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
             history.clear()
             history.add_messages(kept)
         sync_ledger(kept, config)
+        return list(kept)  # a copy: saving this turn must not change the chain's input
 
-    async def aprepare(config: RunnableConfig) -> None:
-        history = session_history(config)
-        if history is None:
-            return
+    async def aprepare(history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
         messages = await history.aget_messages()
         kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
             await history.aclear()
             await history.aadd_messages(kept)
         sync_ledger(kept, config)
+        return list(kept)
 
     def turn_messages(documents: list[Document], question: str) -> list[BaseMessage]:
         text = format_turn(question, documents, turn_template, document_separator)
@@ -210,22 +197,24 @@ def with_chunk_history(
         """The retriever's ``conversation_id``, when it is one of ours (else nothing)."""
         return {} if chunk_retriever is None else {"conversation_id": conversation_of(config)}
 
-    def build_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+    def start(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         question = question_in(inputs)
-        prepare(config)
+        history = history_of(config)
+        earlier = prepare(history, config)
         documents = retriever.invoke(question, config, **conversation_kwargs(config))
-        return turn_messages(documents, question)
+        asked = turn_messages(documents, question)
+        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
 
-    async def abuild_turn(inputs: dict[str, Any], config: RunnableConfig) -> list[BaseMessage]:
+    async def astart(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         question = question_in(inputs)
-        await aprepare(config)
+        history = history_of(config)
+        earlier = await aprepare(history, config)
         documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
-        return turn_messages(documents, question)
+        asked = turn_messages(documents, question)
+        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
 
-    add_turn = RunnablePassthrough.assign(
-        **{turn_key: RunnableLambda(build_turn, afunc=abuild_turn)}
-    )
-    return add_turn | with_history
+    config_specs = [*chain.config_specs, *retriever.config_specs, *specs]
+    return ChatTurns(chain, start, astart, output_messages_key, config_specs)
 
 
 def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:

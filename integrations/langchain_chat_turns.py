@@ -1,0 +1,232 @@
+"""Running a chat chain as turns of a saved conversation, without langchain-core's
+``RunnableWithMessageHistory`` (deprecated since langchain-core 1.3.3, gone in 2.0).
+
+:func:`chat_turns` loads a session's history, lets the caller build the chain's input
+from it, runs the chain and, once it has answered (a stream: read to its end), saves the
+turn's user message and the answer.  :mod:`chunkcache.integrations.langchain_history`
+builds CRAFT §4.3's multi-turn layout on it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+)
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.runnables import ConfigurableFieldSpec, Runnable, RunnableConfig
+from langchain_core.runnables.utils import get_unique_config_specs
+
+
+class SessionHistory(Protocol):
+    """What a turn uses of a session's history: any LangChain ``BaseChatMessageHistory``."""
+
+    @property
+    def messages(self) -> list[BaseMessage]: ...
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None: ...
+
+    def clear(self) -> None: ...
+
+    async def aget_messages(self) -> list[BaseMessage]: ...
+
+    async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None: ...
+
+    async def aclear(self) -> None: ...
+
+
+SESSION_ID = ConfigurableFieldSpec(
+    id="session_id",
+    annotation=str,
+    name="Session ID",
+    description="The conversation: names its saved history.",
+    default="",
+    is_shared=True,
+)
+
+
+def history_lookup(
+    get_session_history: Callable[..., SessionHistory], keys: list[str]
+) -> Callable[[RunnableConfig], SessionHistory]:
+    """How a turn finds its session's history from its config (as
+    ``RunnableWithMessageHistory`` did): a factory without parameters is called without
+    arguments, one key's value goes positionally, several keys' values by name."""
+    signature = inspect.signature(get_session_history)
+    if len(keys) > 1:
+        try:
+            signature.bind(**dict.fromkeys(keys))
+        except TypeError as error:
+            raise TypeError(
+                f"get_session_history must take the history_factory_config keys {keys} "
+                f"as keyword arguments: {error}"
+            ) from None
+
+    def history_of(config: RunnableConfig) -> SessionHistory:
+        if not signature.parameters:
+            return get_session_history()
+        configurable = config.get("configurable", {})
+        missing = [key for key in keys if key not in configurable]
+        if missing:
+            raise ValueError(
+                f"Missing keys {missing} in config['configurable']: with_chunk_history passes "
+                f"{keys} to get_session_history, e.g. "
+                f"chain.invoke(..., config={{'configurable': {dict.fromkeys(keys, '...')}}})"
+            )
+        if len(keys) == 1:
+            return get_session_history(configurable[keys[0]])
+        return get_session_history(**{key: configurable[key] for key in keys})
+
+    return history_of
+
+
+@dataclass
+class Turn:
+    """One turn, ready for the chain: where it is saved, the chain's input, and this
+    turn's user message."""
+
+    history: SessionHistory
+    chain_input: dict[str, Any]
+    asked: list[BaseMessage]
+
+
+class ChatTurns(Runnable[dict[str, Any], Any]):
+    """``chain`` run as turns of saved conversations.  ``start`` loads the session's
+    history and builds the chain's input; once the chain has answered (a stream: read to
+    its end), this turn's user message and the answer are added to the history.  A chain
+    that raises, or a stream left unfinished, saves nothing, as with
+    ``RunnableWithMessageHistory``.  ``batch``/``abatch`` are Runnable's: a turn per input.
+    """
+
+    def __init__(
+        self,
+        chain: Runnable[dict[str, Any], Any],
+        start: Callable[[dict[str, Any], RunnableConfig], Turn],
+        astart: Callable[[dict[str, Any], RunnableConfig], Awaitable[Turn]],
+        answer_key: str | None,
+        config_specs: list[ConfigurableFieldSpec],
+    ) -> None:
+        self.name = "with_chunk_history"
+        self.chain = chain
+        self._start = start
+        self._astart = astart
+        self._answer_key = answer_key
+        self._config_specs = get_unique_config_specs(config_specs)
+
+    @property
+    def config_specs(self) -> list[ConfigurableFieldSpec]:
+        return self._config_specs
+
+    def invoke(
+        self, input: dict[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        return self._call_with_config(self._invoke, input, config)
+
+    async def ainvoke(
+        self, input: dict[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        return await self._acall_with_config(self._ainvoke, input, config)
+
+    def stream(
+        self, input: dict[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        yield from self._transform_stream_with_config(iter([input]), self._stream, config)
+
+    async def astream(
+        self, input: dict[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        stream = self._atransform_stream_with_config(_once(input), self._astream, config)
+        async for chunk in stream:
+            yield chunk
+
+    # The helpers above pass the run's child config (its callbacks) as ``config``, and
+    # its run manager, unused here, as ``run_manager``.
+    def _invoke(
+        self,
+        inputs: dict[str, Any],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Any:
+        turn = self._start(inputs, config)
+        answer = self.chain.invoke(turn.chain_input, config)
+        turn.history.add_messages(self._saved(turn, answer))
+        return answer
+
+    async def _ainvoke(
+        self,
+        inputs: dict[str, Any],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Any:
+        turn = await self._astart(inputs, config)
+        answer = await self.chain.ainvoke(turn.chain_input, config)
+        await turn.history.aadd_messages(self._saved(turn, answer))
+        return answer
+
+    def _stream(
+        self,
+        inputs: Iterator[dict[str, Any]],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Iterator[Any]:
+        turn = self._start(next(inputs), config)
+        answer = None
+        for chunk in self.chain.stream(turn.chain_input, config):
+            yield chunk
+            answer = _added(answer, chunk)
+        turn.history.add_messages(self._saved(turn, answer))
+
+    async def _astream(
+        self,
+        inputs: AsyncIterator[dict[str, Any]],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AsyncIterator[Any]:
+        turn = await self._astart(await anext(inputs), config)
+        answer = None
+        async for chunk in self.chain.astream(turn.chain_input, config):
+            yield chunk
+            answer = _added(answer, chunk)
+        await turn.history.aadd_messages(self._saved(turn, answer))
+
+    def _saved(self, turn: Turn, answer: Any) -> list[BaseMessage]:
+        """The messages a turn adds to its history: its user message, then the answer."""
+        return [*turn.asked, *_answer_messages(answer, self._answer_key)]
+
+
+async def _once(value: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """An async iterator over ``value`` alone: a turn's input, as a stream of one."""
+    yield value
+
+
+def _added(total: Any, chunk: Any) -> Any:
+    """``total + chunk``, the streamed answer so far; a chunk that cannot be added to it
+    (a plain dict, say) takes its place."""
+    if total is None:
+        return chunk
+    try:
+        return total + chunk
+    except TypeError:
+        return chunk
+
+
+def _answer_messages(answer: Any, key: str | None) -> list[BaseMessage]:
+    """The chain's answer as messages: a string is an AI message; a dict holds the answer
+    under ``key``, its only key, or ``"output"``."""
+    if isinstance(answer, dict):
+        answer = answer.get(key or (next(iter(answer)) if len(answer) == 1 else "output"))
+    if isinstance(answer, str):
+        return [AIMessage(content=answer)]
+    if isinstance(answer, BaseMessage):
+        return [answer]
+    if isinstance(answer, list | tuple) and all(isinstance(m, BaseMessage) for m in answer):
+        return list(answer)
+    raise ValueError(
+        "with_chunk_history saves the chain's answer as messages: the chain must return a "
+        "str, a message, a list of messages, or a dict holding one under "
+        f"output_messages_key; got {type(answer).__name__}"
+    )
