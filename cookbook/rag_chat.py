@@ -17,7 +17,6 @@ import argparse
 import statistics
 from typing import Any
 
-from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.messages import BaseMessage
 
 from chunkcache.core import default_cache
@@ -25,7 +24,11 @@ from chunkcache.core.corpus import load_corpus
 from chunkcache.core.workload import TITLE_QUESTIONS, WorkloadConfig, multi_turn_trace
 from chunkcache.integrations.indexes import langchain_corpus_retriever
 from chunkcache.integrations.langchain import ChunkCacheLLM, ChunkCacheRetriever
-from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
+from chunkcache.integrations.langchain_history import (
+    InMemoryChatHistory,
+    chunk_chat_prompt,
+    with_chunk_history,
+)
 
 SYSTEM_PROMPT = (
     "You are a concise assistant for Python programmers. Answer the question in one or two "
@@ -49,11 +52,11 @@ def main() -> None:
         base_retriever=langchain_corpus_retriever("chroma", k=args.k), dedupe="drop"
     )
     llm = ChunkCacheLLM(recompute=args.policy, max_tokens=args.max_tokens)
-    histories: dict[str, InMemoryChatMessageHistory] = {}
+    histories: dict[str, InMemoryChatHistory] = {}
     chain = with_chunk_history(
         chunk_chat_prompt(SYSTEM_PROMPT) | llm,
         retriever,
-        lambda session_id: histories.setdefault(session_id, InMemoryChatMessageHistory()),
+        lambda session_id: histories.setdefault(session_id, InMemoryChatHistory()),
     )
     config = WorkloadConfig(
         num_conversations=args.conversations,

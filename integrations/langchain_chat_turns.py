@@ -40,6 +40,29 @@ class SessionHistory(Protocol):
     async def aclear(self) -> None: ...
 
 
+class InMemoryChatHistory:
+    """A session's messages in memory: a :class:`SessionHistory` for apps and tests
+    (langchain-core's ``InMemoryChatMessageHistory`` is deprecated since 1.6.4)."""
+
+    def __init__(self) -> None:
+        self.messages: list[BaseMessage] = []
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
+        self.messages.extend(messages)
+
+    def clear(self) -> None:
+        self.messages = []
+
+    async def aget_messages(self) -> list[BaseMessage]:
+        return list(self.messages)
+
+    async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
+        self.add_messages(messages)
+
+    async def aclear(self) -> None:
+        self.clear()
+
+
 SESSION_ID = ConfigurableFieldSpec(
     id="session_id",
     annotation=str,

@@ -59,6 +59,7 @@ from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_chat_turns import (
     SESSION_ID,
     ChatTurns,
+    InMemoryChatHistory,
     SessionHistory,
     Turn,
     history_lookup,
@@ -66,6 +67,7 @@ from chunkcache.integrations.langchain_chat_turns import (
 
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
+    "InMemoryChatHistory",
     "chunk_chat_prompt",
     "chunk_ids_in",
     "format_turn",

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessageChunk
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import (
@@ -27,7 +27,11 @@ from langchain_core.runnables import (
 from chunkcache.core import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id
 from chunkcache.integrations.langchain import ChunkCacheRetriever
-from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
+from chunkcache.integrations.langchain_history import (
+    InMemoryChatHistory,
+    chunk_chat_prompt,
+    with_chunk_history,
+)
 
 TEXTS = [f"Fact {i}: the value of item {i} is {i * 7}." for i in range(12)]
 CONFIG = RunnableConfig(configurable={"session_id": "s"})
@@ -43,33 +47,11 @@ class WindowRetriever(BaseRetriever):
         return [Document(page_content=t) for t in TEXTS[start : start + 3]]
 
 
-class ListHistory:
-    """A session history that is no (deprecated) ``BaseChatMessageHistory``."""
-
-    def __init__(self) -> None:
-        self.messages: list[BaseMessage] = []
-
-    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.messages.extend(messages)
-
-    def clear(self) -> None:
-        self.messages = []
-
-    async def aget_messages(self) -> list[BaseMessage]:
-        return self.messages
-
-    async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.add_messages(messages)
-
-    async def aclear(self) -> None:
-        self.clear()
-
-
 class Chat:
     """A chat over :class:`WindowRetriever` whose model answers "answer 0", "answer 1", ..."""
 
     def __init__(self, tail: Runnable[Any, Any] | None = None, **options: Any) -> None:
-        self.histories: dict[str, ListHistory] = {}
+        self.histories: dict[str, InMemoryChatHistory] = {}
         self.inputs: list[dict[str, Any]] = []
         chain = (
             RunnableLambda(self._record)
@@ -85,7 +67,7 @@ class Chat:
         self.chain = with_chunk_history(
             chain if tail is None else chain | tail,
             retriever,
-            lambda session_id: self.histories.setdefault(session_id, ListHistory()),
+            lambda session_id: self.histories.setdefault(session_id, InMemoryChatHistory()),
             **options,
         )
 
@@ -260,7 +242,7 @@ def test_history_factory_config_keys_must_be_factory_parameters() -> None:
         chain = with_chunk_history(
             chunk_chat_prompt("Answer.") | FakeListChatModel(responses=["a"]),
             WindowRetriever(),
-            lambda user_id, thread_id: ListHistory(),
+            lambda user_id, thread_id: InMemoryChatHistory(),
             history_factory_config=keys,
         )
         chain.invoke({"question": "0"}, {"configurable": {"user_id": "u", "chat_id": "c"}})

@@ -17,17 +17,24 @@ from typing import Any, Literal
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
-from langchain_core.runnables.history import RunnableWithMessageHistory
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY
 from chunkcache.integrations.langchain import ChunkCacheRetriever
+from chunkcache.integrations.langchain_chat_turns import (
+    SESSION_ID,
+    ChatTurns,
+    InMemoryChatHistory,
+    SessionHistory,
+    Turn,
+    history_lookup,
+)
 from chunkcache.integrations.langchain_history import (
     DEFAULT_DOCUMENT_SEPARATOR,
     chunk_chat_prompt,
@@ -60,10 +67,10 @@ class Histories:
     """In-memory chat histories by session id."""
 
     def __init__(self) -> None:
-        self.by_session: dict[str, InMemoryChatMessageHistory] = {}
+        self.by_session: dict[str, InMemoryChatHistory] = {}
 
-    def __call__(self, session_id: str) -> InMemoryChatMessageHistory:
-        return self.by_session.setdefault(session_id, InMemoryChatMessageHistory())
+    def __call__(self, session_id: str) -> InMemoryChatHistory:
+        return self.by_session.setdefault(session_id, InMemoryChatHistory())
 
 
 def rag_chain(
@@ -72,9 +79,11 @@ def rag_chain(
     base_retriever: BaseRetriever,
     cache: ChunkCache,
     system_prompt: str = SYSTEM_PROMPT,
+    histories: Histories | None = None,
 ) -> Runnable[dict[str, Any], Any]:
-    """A multi-turn RAG chain: invoke with ``{"question": ...}`` and a ``session_id``."""
-    histories = Histories()
+    """A multi-turn RAG chain: invoke with ``{"question": ...}`` and a ``session_id``;
+    its conversations are kept in ``histories`` (new ones if None)."""
+    histories = histories if histories is not None else Histories()
     if layout == "chunkcache":
         retriever = ChunkCacheRetriever(
             base_retriever=base_retriever, cache=cache, ordering="tree", dedupe="drop"
@@ -94,9 +103,29 @@ def rag_chain(
     )
     context = RunnableLambda(_context_of(retriever))
     chain = RunnablePassthrough.assign(context=context) | prompt | llm
-    return RunnableWithMessageHistory(
-        chain, histories, input_messages_key="question", history_messages_key="history"
-    )
+    return _with_plain_history(chain, histories)
+
+
+def _with_plain_history(
+    chain: Runnable[dict[str, Any], Any], histories: Histories
+) -> Runnable[dict[str, Any], Any]:
+    """``chain`` given the session's earlier messages under ``history``; each turn saves
+    the question and the answer (what ``RunnableWithMessageHistory`` did, deprecated)."""
+    history_of = history_lookup(histories, [SESSION_ID.id])
+
+    def turn(history: SessionHistory, earlier: list[BaseMessage], inputs: dict[str, Any]) -> Turn:
+        asked: list[BaseMessage] = [HumanMessage(inputs["question"])]
+        return Turn(history, {**inputs, "history": earlier}, asked)
+
+    def start(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
+        history = history_of(config)
+        return turn(history, list(history.messages), inputs)
+
+    async def astart(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
+        history = history_of(config)
+        return turn(history, await history.aget_messages(), inputs)
+
+    return ChatTurns(chain, start, astart, None, [*chain.config_specs, SESSION_ID])
 
 
 def _context_of(retriever: BaseRetriever) -> Callable[[dict[str, Any], RunnableConfig], str]:
