@@ -84,7 +84,7 @@ class Rows:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Attention of these rows' queries over the merged KV, causal by position."""
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
-        if uses_matmul_attention(q):  # bf16 on a CPU: matmuls block by block, even causal
+        if uses_matmul_attention(q, whole_sequence=self.mask is None):
             blocks = self.blocks(q.shape[0], MATMUL_ROWS_PER_BLOCK)
             return blocked_attention(q, k, v, blocks, scale)
         if self.mask is None:

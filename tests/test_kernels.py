@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,8 +13,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from chunkcache.core.models import rope_from_config
+from chunkcache.kernels import attention as attention_module
+from chunkcache.kernels import layer as layer_module
 from chunkcache.kernels.attention import (
-    MATMUL_ROWS_PER_BLOCK,
     MAX_BLOCK_SCORES,
     attention,
     blocked_attention,
@@ -179,15 +182,35 @@ def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
     torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_whole_bf16_sequences_take_the_blocks_too() -> None:
+@pytest.mark.parametrize("amx", [False, True])
+def test_whole_bf16_sequences_take_sdpa_with_amx_else_the_blocks(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention_module, "cpu_has_amx", lambda: amx)
+    blocked_calls: list[int] = []
+    blocked = layer_module.blocked_attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        blocked_calls.append(1)
+        return blocked(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer_module, "blocked_attention", counting)
     s = 600
     q = _randn(H, s, D, seed=1).to(torch.bfloat16)
     k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (2, 3))
     rows = Rows.build(torch.arange(s), s, _rope("llama"))
     expected = attention(q.double(), k.double(), v.double(), None, D**-0.5)
     actual = rows.attention(q, k, v, D**-0.5)
-    assert len(rows.blocks(H, MATMUL_ROWS_PER_BLOCK)) > 1
+    assert bool(blocked_calls) is not amx  # AMX: SDPA's causal kernel; else matmul blocks
     torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
+    scattered = Rows.build(torch.arange(0, s, 3), s, _rope("llama"))
+    scattered.attention(q[:, ::3], k, v, D**-0.5)
+    assert len(blocked_calls) == (1 if amx else 2)  # scattered rows: blocks either way
+
+
+def test_cpu_has_amx_reads_the_cpu_flags() -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert attention_module.cpu_has_amx() is ("amx_bf16" in flags.split())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
