@@ -108,10 +108,11 @@ def causal_blocks(
     return tuple(blocks)
 
 
-def uses_matmul_attention(q: Tensor, *, whole_sequence: bool = False) -> bool:
+def uses_matmul_attention(q: Tensor, *, one_causal_call: bool = False) -> bool:
     """Whether attention for queries like ``q`` runs block by block as plain matmuls
-    (:func:`matmul_attention`): in bfloat16 or float16 on a CPU, unless ``q`` holds a
-    whole sequence (plain causal attention) and the CPU has AMX (:func:`cpu_has_amx`).
+    (:func:`matmul_attention`): in bfloat16 or float16 on a CPU, unless the rows can run
+    as ``one_causal_call`` of SDPA (a whole sequence, or a prefill after a past no longer
+    than it) and the CPU has AMX (:func:`cpu_has_amx`).
 
     With AMX, SDPA's causal flash kernel was the faster one for whole sequences: ``full``
     prefill took 391 ms against 535 ms on matmul blocks (Intel Xeon with AMX, 2 cores, 4
@@ -138,7 +139,7 @@ def uses_matmul_attention(q: Tensor, *, whole_sequence: bool = False) -> bool:
     """
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return not (whole_sequence and cpu_has_amx())
+    return not (one_causal_call and cpu_has_amx())
 
 
 @functools.cache

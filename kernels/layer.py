@@ -84,13 +84,17 @@ class Rows:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Attention of these rows' queries over the merged KV, causal by position."""
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
-        if uses_matmul_attention(q, whole_sequence=self.mask is None):
+        first, n = int(self.index[0]), self.index.numel()
+        consecutive = int(self.index[-1]) == first + n - 1  # a prefill, on a past if first > 0
+        # one causal SDPA call: the whole sequence, or rows after a past no longer than they
+        # are (tail_attention pads it)
+        one_call = self.mask is None or (consecutive and first <= n)
+        if uses_matmul_attention(q, one_causal_call=one_call):
             blocks = self.blocks(q.shape[0], MATMUL_ROWS_PER_BLOCK)
             return blocked_attention(q, k, v, blocks, scale)
         if self.mask is None:
             return attention(q, k, v, None, scale)
-        first, n = int(self.index[0]), self.index.numel()
-        if int(self.index[-1]) == first + n - 1:  # consecutive rows: a prefill on a past
+        if consecutive:
             return tail_attention(q, k, v, first, scale)
         return blocked_attention(q, k, v, self.blocks(q.shape[0]), scale)
 

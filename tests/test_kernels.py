@@ -183,7 +183,7 @@ def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_whole_bf16_sequences_take_sdpa_with_amx_else_the_blocks(
+def test_bf16_causal_runs_take_sdpa_with_amx_else_the_blocks(
     amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(attention_module, "cpu_has_amx", lambda: amx)
@@ -206,6 +206,13 @@ def test_whole_bf16_sequences_take_sdpa_with_amx_else_the_blocks(
     scattered = Rows.build(torch.arange(0, s, 3), s, _rope("llama"))
     scattered.attention(q[:, ::3], k, v, D**-0.5)
     assert len(blocked_calls) == (1 if amx else 2)  # scattered rows: blocks either way
+    after_short_past = Rows.build(torch.arange(200, s), s, _rope("llama"))  # a prefix hit
+    tail = after_short_past.attention(q[:, 200:], k, v, D**-0.5)
+    torch.testing.assert_close(tail.double(), expected[200:], atol=2e-2, rtol=2e-2)
+    assert len(blocked_calls) == (1 if amx else 3)  # one padded causal call with AMX
+    decoding = Rows.build(torch.tensor([s - 1]), s, _rope("llama"))
+    decoding.attention(q[:, -1:], k, v, D**-0.5)
+    assert len(blocked_calls) == (2 if amx else 4)  # one row after a long past: blocks
 
 
 def test_cpu_has_amx_reads_the_cpu_flags() -> None:
