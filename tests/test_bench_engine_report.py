@@ -110,3 +110,13 @@ def test_the_cli_offers_every_part() -> None:
     assert build_parser().parse_args(["bench", "engine"]).part == "all"
     for part in PARTS:
         assert build_parser().parse_args(["bench", "engine", "--part", part]).part == part
+
+
+def test_parts_from_different_machines_each_name_their_machine() -> None:
+    speed = {**speed_part(0.5), "environment": {**ENV, "cpu": "other cpu"}}
+    first_line = markdown(report(quality=quality_part({}), speed=speed)).splitlines()[2]
+    assert first_line.startswith("Parts on different machines:")
+    assert "quality by `chunkcache bench engine` on test cpu (2 cores)" in first_line
+    assert "speed by `chunkcache bench engine` on other cpu (2 cores)" in first_line
+    same = markdown(report(quality=quality_part({}), speed=speed_part(0.5))).splitlines()[2]
+    assert same.startswith("On test cpu (2 cores), Python 3.11") and " on test cpu" not in same

@@ -83,22 +83,31 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 MEASURED_PARTS = ("quality", "quality-reordered", "speed")
 
 
+def _machine(env: dict[str, str]) -> str:
+    """The CPU and versions a part ran on."""
+    return (
+        f"{env['cpu']} ({env['cores']} cores), Python {env['python']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}"
+    )
+
+
 def header(report: dict[str, Any]) -> list[str]:
-    parts = [report[part] for part in MEASURED_PARTS if part in report]
-    env = parts[0]["environment"]
+    names = [name for name in MEASURED_PARTS if name in report]
+    machines = {name: _machine(report[name]["environment"]) for name in names}
+    one_machine = len(set(machines.values())) == 1
     measured = "; ".join(
-        f"{name} by `{report[name].get('command', report['command'])}` at commit "
-        f"{report[name]['environment']['commit']} with "
+        f"{name} by `{report[name].get('command', report['command'])}`"
+        + ("" if one_machine else f" on {machines[name]}")
+        + f" at commit {report[name]['environment']['commit']} with "
         f"{report[name]['environment']['torch_threads']} torch threads (model fingerprint "
         f"`{report[name]['fingerprint']}`)"
-        for name in MEASURED_PARTS
-        if name in report
+        for name in names
     )
+    where = f"On {machines[names[0]]}, " if one_machine else "Parts on different machines: "
     return [
         "# Engine benchmark: recompute policies against a full prefill",
         "",
-        f"On {env['cpu']} ({env['cores']} cores), Python {env['python']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, chunkcache {env['chunkcache']}; model "
+        f"{where}chunkcache {report[names[-1]]['environment']['chunkcache']}; model "
         f"{report['model']}, seed {report['seed']}. Measured: {measured}.",
         "",
         f"{report['prompts']} RAG prompts over the bundled corpus: a fixed system message, "
