@@ -9,14 +9,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from engine_support import RecordingEngine, hold_decode_steps
 from test_batching import collect, wait_until
 from tiny_models import tiny_lm
 
-from chunkcache.core import batch_queue, batch_scheduler
+from chunkcache.core import batch_queue
 from chunkcache.core.batching import BatchingBackend
-from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
+from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.errors import ShuttingDownError
-from chunkcache.core.generation import GenerationRequest, Policy, SamplingParams
+from chunkcache.core.generation import GenerationRequest, SamplingParams
 from chunkcache.core.kv_store import KVStore, KVVariant, MemoryKVStore
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
@@ -56,38 +57,9 @@ class HeldStore(MemoryKVStore):
         return super().variants(fingerprint, segment_id)
 
 
-class RecordingEngine(ChunkEngine):
-    """Records the tokens to generate of every prompt it prefills."""
-
-    def __init__(self, lm: LoadedModel, store: KVStore | None = None) -> None:
-        super().__init__(lm, store)
-        self.reserves: list[int] = []
-
-    def prefill(
-        self,
-        segments: Sequence[TokenSegment],
-        policy: Policy,
-        ratio: float = 0.15,
-        conversation_id: str | None = None,
-        reserve: int = 0,
-    ) -> Prefilled:
-        self.reserves.append(reserve)
-        return super().prefill(segments, policy, ratio, conversation_id, reserve)
-
-
 @pytest.fixture
 def held_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Batched decode steps wait until the returned event is set (admissions go on)."""
-    go = threading.Event()
-    step = batch_scheduler.decode_step
-
-    def held(*args: Any) -> Any:
-        assert go.wait(timeout=TIMEOUT_S)
-        return step(*args)
-
-    monkeypatch.setattr(batch_scheduler, "decode_step", held)
-    yield go
-    go.set()
+    yield from hold_decode_steps(monkeypatch)
 
 
 def queued_behind_one(backend: BatchingBackend, questions: Sequence[int]) -> list[Any]:
@@ -146,7 +118,7 @@ def test_a_request_cancelled_during_the_lookups_is_not_admitted(
     finally:
         store.release.set()
         assert backend.shutdown(timeout_s=TIMEOUT_S)
-    assert engine.reserves == [2, 4]  # questions 0 and 2, never 1
+    assert [call.reserve for call in engine.calls] == [2, 4]  # questions 0 and 2, never 1
     metrics = backend.metrics()
     assert (metrics["finished_total"], metrics["cancelled_total"]) == (2, 1)
 

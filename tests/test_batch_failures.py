@@ -8,23 +8,22 @@ import threading
 import traceback
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 import torch
+from engine_support import TIMEOUT_S, RecordingEngine, assert_read_on_as_alone, read_in_threads
 from test_batching import collect
 from tiny_models import tiny_lm
 
 from chunkcache.core import batch_scheduler
 from chunkcache.core.batching import BatchingBackend
-from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
-from chunkcache.core.generation import GenerationRequest, Policy, SamplingParams
+from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.generation import GenerationRequest, SamplingParams
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.segmenter import TextSegment
 from chunkcache.kernels.kv import SeqKV
 
-TIMEOUT_S = 60
 BAD = 13  # max_tokens of the request whose decode steps fail
 
 
@@ -40,54 +39,15 @@ def plain(n: int, variant: int, max_tokens: int) -> GenerationRequest:
     return GenerationRequest([TextSegment(text)], policy="full", sampling=sampling)
 
 
-class MarkingEngine(ChunkEngine):
-    """Remembers the KV of every request prefilled with ``max_tokens == BAD``."""
-
-    def __init__(self, lm: LoadedModel) -> None:
-        super().__init__(lm)
-        self.bad: list[SeqKV] = []
-
-    def prefill(
-        self,
-        segments: Sequence[TokenSegment],
-        policy: Policy,
-        ratio: float = 0.15,
-        conversation_id: str | None = None,
-        reserve: int = 0,
-    ) -> Prefilled:
-        prefilled = super().prefill(segments, policy, ratio, conversation_id, reserve)
-        if reserve == BAD:
-            self.bad.append(prefilled.kv)
-        return prefilled
-
-
-def read_in_threads(handles: list[Any]) -> list[Any]:
-    """Each handle read to its end in its own thread: its (text, stats) or its error."""
-    results: list[Any] = [None] * len(handles)
-
-    def read(i: int) -> None:
-        try:
-            results[i] = collect(handles[i])
-        except Exception as error:
-            results[i] = error
-
-    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(handles))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads), "a request hung"
-    return results
-
-
 def test_a_step_failing_for_one_request_fails_that_request_alone(
     lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = MarkingEngine(lm)
+    engine = RecordingEngine(lm)
     step = batch_scheduler.decode_step
 
     def failing(model: LoadedModel, tokens: Sequence[int], kvs: Sequence[SeqKV]) -> torch.Tensor:
-        if any(kv is bad for kv in kvs for bad in engine.bad):
+        bad = [call.kv for call in engine.calls if call.reserve == BAD]
+        if any(kv is b for kv in kvs for b in bad):
             raise ValueError("this sequence cannot be decoded")
         return step(model, tokens, kvs)
 
@@ -101,10 +61,7 @@ def test_a_step_failing_for_one_request_fails_that_request_alone(
         bad = backend.submit(plain(10, 3, max_tokens=BAD))
         with pytest.raises(ValueError, match="cannot be decoded"):
             list(bad)
-        for handle, first, (want_text, want) in zip(handles, firsts, expected, strict=True):
-            text, stats = collect(handle)
-            assert first.text + text == want_text
-            assert stats.completion_tokens == want.completion_tokens
+        assert_read_on_as_alone(handles, firsts, expected)
     finally:
         assert backend.shutdown(timeout_s=TIMEOUT_S)
     metrics = backend.metrics()

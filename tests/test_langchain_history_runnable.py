@@ -10,12 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
 from langchain_core.messages import AIMessageChunk
 from langchain_core.output_parsers import StrOutputParser
-from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import (
     ConfigurableFieldSpec,
     Runnable,
@@ -23,6 +20,7 @@ from langchain_core.runnables import (
     RunnableGenerator,
     RunnableLambda,
 )
+from test_langchain_history import TEXTS, WindowRetriever
 
 from chunkcache.core import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id
@@ -33,18 +31,7 @@ from chunkcache.integrations.langchain_history import (
     with_chunk_history,
 )
 
-TEXTS = [f"Fact {i}: the value of item {i} is {i * 7}." for i in range(12)]
 CONFIG = RunnableConfig(configurable={"session_id": "s"})
-
-
-class WindowRetriever(BaseRetriever):
-    """The query is a start index; returns three consecutive facts."""
-
-    def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-    ) -> list[Document]:
-        start = int(query)
-        return [Document(page_content=t) for t in TEXTS[start : start + 3]]
 
 
 class Chat:

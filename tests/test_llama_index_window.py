@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from engine_support import RecordingEngine
 from llama_index.core import get_response_synthesizer
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import ResponseMode
@@ -21,9 +22,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from tiny_models import tiny_hf_model
 
 from chunkcache.core.cache import ChunkCache
-from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
 from chunkcache.core.errors import PromptTooLongError
-from chunkcache.core.generation import Policy
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.model_files import pull_default_model
 from chunkcache.core.models import LoadedModel
@@ -58,25 +57,6 @@ class Records(BaseRetriever):
         return [NodeWithScore(node=TextNode(text=t), score=1.0) for t in self._texts]
 
 
-class CountingEngine(ChunkEngine):
-    """Records the token count of every prompt it is asked to prefill (refused ones too)."""
-
-    def __init__(self, lm: LoadedModel) -> None:
-        super().__init__(lm)
-        self.prompts: list[int] = []
-
-    def prefill(
-        self,
-        segments: Sequence[TokenSegment],
-        policy: Policy,
-        ratio: float = 0.15,
-        conversation_id: str | None = None,
-        reserve: int = 0,
-    ) -> Prefilled:
-        self.prompts.append(sum(len(segment.ids) for segment in segments))
-        return super().prefill(segments, policy, ratio, conversation_id, reserve)
-
-
 @pytest.fixture(scope="module")
 def tiny_smollm2() -> LoadedModel:
     """A tiny random model with SmolLM2's tokenizer (and chat template) and a 1k window."""
@@ -95,8 +75,8 @@ def query(llm: ChunkCacheLLM, texts: Sequence[str], mode: ResponseMode, **synthe
     return str(engine.query(QUESTION))
 
 
-def counting_llm(lm: LoadedModel, **settings: Any) -> tuple[ChunkCacheLLM, CountingEngine]:
-    engine = CountingEngine(lm)
+def counting_llm(lm: LoadedModel, **settings: Any) -> tuple[ChunkCacheLLM, RecordingEngine]:
+    engine = RecordingEngine(lm)
     llm = ChunkCacheLLM(cache=ChunkCache(backend=LocalBackend(engine)), **settings)
     return llm, engine
 
@@ -107,8 +87,8 @@ def test_a_prompt_packed_to_the_window_fits(
 ) -> None:
     llm, engine = counting_llm(tiny_smollm2, max_tokens=MAX_TOKENS, system_prompt=system_prompt)
     query(llm, records(12, 6), TREE, prompt_helper=llm.prompt_helper())
-    assert len(engine.prompts) > 2  # several packed prompts, then their summary
-    assert WINDOW - MAX_TOKENS - 64 < max(engine.prompts) <= WINDOW - MAX_TOKENS
+    assert len(engine.calls) > 2  # several packed prompts, then their summary
+    assert WINDOW - MAX_TOKENS - 64 < largest_prompt(engine) <= WINDOW - MAX_TOKENS
 
 
 def test_counting_with_tiktoken_overfills_and_the_refusal_says_what_to_do(
@@ -117,7 +97,7 @@ def test_counting_with_tiktoken_overfills_and_the_refusal_says_what_to_do(
     llm, engine = counting_llm(tiny_smollm2, max_tokens=MAX_TOKENS)
     with pytest.raises(PromptTooLongError, match=r"prompt_helper=llm\.prompt_helper\(\)"):
         query(llm, records(12, 6), TREE)  # LlamaIndex's own PromptHelper
-    assert max(engine.prompts) > WINDOW
+    assert largest_prompt(engine) > WINDOW
 
 
 @pytest.mark.slow
@@ -129,5 +109,10 @@ def test_on_smollm2_a_prompt_packed_to_the_window_is_answered() -> None:
         LoadedModel(lm.hf, lm.tokenizer, spec, lm.rope, lm.fingerprint), max_tokens=MAX_TOKENS
     )
     answer = query(llm, records(12, 6), TREE, prompt_helper=llm.prompt_helper())
-    assert answer.strip() and len(engine.prompts) > 2
-    assert WINDOW - MAX_TOKENS - 64 < max(engine.prompts) <= WINDOW - MAX_TOKENS
+    assert answer.strip() and len(engine.calls) > 2
+    assert WINDOW - MAX_TOKENS - 64 < largest_prompt(engine) <= WINDOW - MAX_TOKENS
+
+
+def largest_prompt(engine: RecordingEngine) -> int:
+    """The most tokens any prompt the engine was asked to prefill had (refused ones too)."""
+    return max(call.tokens for call in engine.calls)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import assert_read_on_as_alone, hold_decode_steps, joined, start_readers
 from test_batching import collect, request, wait_until
 from tiny_models import tiny_lm
 
@@ -107,17 +108,7 @@ class KVWatch(ChunkEngine):
 
 @pytest.fixture
 def held_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Batched decode steps wait until the returned event is set (prefills go on)."""
-    go = threading.Event()
-    step = batch_scheduler.decode_step
-
-    def held(*args: Any) -> Any:
-        assert go.wait(timeout=TIMEOUT_S)
-        return step(*args)
-
-    monkeypatch.setattr(batch_scheduler, "decode_step", held)
-    yield go
-    go.set()
+    yield from hold_decode_steps(monkeypatch)
 
 
 def test_many_threads_at_once_each_get_exactly_their_own_answer(lm: LoadedModel) -> None:
@@ -186,10 +177,7 @@ def test_failures_mid_batch_stay_with_their_request(
             list(broken)
         text, stats = collect(stop)
         assert (text, stats.finish_reason) == (expected[2][0], "stop")
-        for handle, first, (want_text, want) in zip(handles, firsts, expected, strict=False):
-            text, stats = collect(handle)
-            assert first.text + text == want_text
-            assert stats.completion_tokens == want.completion_tokens
+        assert_read_on_as_alone(handles, firsts, expected)
     finally:
         assert backend.shutdown(timeout_s=TIMEOUT_S)
     metrics = backend.metrics()
@@ -253,21 +241,9 @@ def test_shutdown_with_readers_blocked_ends_every_one(
     running = backend.stream(request("long", variant=2, max_tokens=60))
     assert next(running).text  # from its prefill; its decoding is held
     handles = [backend.submit(plain(10, i)) for i in range(4)]
-    outcomes: list[Any] = [None] * len(handles)
-
-    def read(i: int) -> None:
-        try:
-            outcomes[i] = collect(handles[i])
-        except Exception as error:
-            outcomes[i] = error
-
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(handles))]
-    for reader in readers:
-        reader.start()
+    readers, outcomes = start_readers(handles)
     assert not backend.shutdown(timeout_s=0.05, drain=False)  # "long" is still running
-    for reader in readers:
-        reader.join(timeout=TIMEOUT_S)
-    assert not any(reader.is_alive() for reader in readers)
+    joined(readers)
     assert all(isinstance(outcome, ShuttingDownError) for outcome in outcomes)
     with pytest.raises(ShuttingDownError):
         backend.submit(plain(10, 9))
