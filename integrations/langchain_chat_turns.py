@@ -1,10 +1,10 @@
 """Running a chat chain as turns of a saved conversation, without langchain-core's
 ``RunnableWithMessageHistory`` (deprecated since langchain-core 1.3.3, gone in 2.0).
 
-:func:`chat_turns` loads a session's history, lets the caller build the chain's input
-from it, runs the chain and, once it has answered (a stream: read to its end), saves the
-turn's user message and the answer.  :mod:`chunkcache.integrations.langchain_history`
-builds CRAFT §4.3's multi-turn layout on it.
+:class:`ChatTurns` loads a session's history (found by :func:`history_lookup`), lets the
+caller build the chain's input from it, runs the chain and, once it has answered (a stream:
+read to its end), saves the turn's user message and the answer.
+:mod:`chunkcache.integrations.langchain_history` builds CRAFT §4.3's multi-turn layout on it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def history_lookup(
         missing = [key for key in keys if key not in configurable]
         if missing:
             raise ValueError(
-                f"Missing keys {missing} in config['configurable']: with_chunk_history passes "
+                f"Missing keys {missing} in config['configurable']: the chat passes "
                 f"{keys} to get_session_history, e.g. "
                 f"chain.invoke(..., config={{'configurable': {dict.fromkeys(keys, '...')}}})"
             )
@@ -132,8 +132,9 @@ class ChatTurns(Runnable[dict[str, Any], Any]):
         astart: Callable[[dict[str, Any], RunnableConfig], Awaitable[Turn]],
         answer_key: str | None,
         config_specs: list[ConfigurableFieldSpec],
+        name: str = "with_chunk_history",
     ) -> None:
-        self.name = "with_chunk_history"
+        self.name = name
         self.chain = chain
         self._start = start
         self._astart = astart

@@ -125,7 +125,8 @@ def _with_plain_history(
         history = history_of(config)
         return turn(history, await history.aget_messages(), inputs)
 
-    return ChatTurns(chain, start, astart, None, [*chain.config_specs, SESSION_ID])
+    specs = [*chain.config_specs, SESSION_ID]
+    return ChatTurns(chain, start, astart, None, specs, name="plain_chat_history")
 
 
 def _context_of(retriever: BaseRetriever) -> Callable[[dict[str, Any], RunnableConfig], str]:
