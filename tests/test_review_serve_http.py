@@ -18,10 +18,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
+from test_http_backend import Refusing
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
-from chunkcache.core.generation import GenerationChunk, GenerationRequest
 from chunkcache.core.http_backend import HttpBackend
 from chunkcache.core.prompting import build_request, generate
 from chunkcache.core.registry import ChunkRegistry
@@ -31,24 +31,13 @@ from chunkcache.core.serve.launcher import serve_app
 MODEL = FakeBackend.model_name
 
 
-class Raising(FakeBackend):
-    """Raises ``error`` instead of generating."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self.error = error
-
-    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        raise self.error
-
-
 def metric_lines(client: TestClient, name: str) -> list[str]:
     return [line for line in client.get("/metrics").text.splitlines() if line.startswith(name)]
 
 
 def test_an_unexpected_error_is_counted_and_echoes_the_request_id() -> None:
     """Starlette answers a 500 outside every middleware: it went uncounted and unechoed."""
-    app = create_app(Raising(RuntimeError("boom")))
+    app = create_app(Refusing(RuntimeError("boom")))
     with TestClient(app, raise_server_exceptions=False) as client:
         body = {"model": MODEL, "prompt": "x"}
         response = client.post("/v1/completions", json=body, headers={"X-Request-Id": "r-7"})
@@ -94,7 +83,7 @@ def test_a_405_names_the_allowed_methods() -> None:
 
 
 def test_a_backend_429_waits_at_least_the_configured_retry_after() -> None:
-    app = create_app(Raising(QueueFullError("full", 0.05)), ServeSettings(retry_after_s=5))
+    app = create_app(Refusing(QueueFullError("full", 0.05)), ServeSettings(retry_after_s=5))
     with TestClient(app) as client:
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 429
@@ -104,7 +93,7 @@ def test_a_backend_429_waits_at_least_the_configured_retry_after() -> None:
 def test_a_failed_engine_is_backend_unavailable_not_shutting_down() -> None:
     """The server answers 503 backend_unavailable when its engine died; the local backends
     raise BackendUnavailableError for that, and so must the http one."""
-    failed = create_app(Raising(BackendUnavailableError("the scheduler stopped")))
+    failed = create_app(Refusing(BackendUnavailableError("the scheduler stopped")))
     with (
         serve_app(failed) as url,
         pytest.raises(BackendUnavailableError, match="scheduler stopped"),
