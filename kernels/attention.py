@@ -108,17 +108,19 @@ def causal_blocks(
     return tuple(blocks)
 
 
-def uses_matmul_attention(q: Tensor, *, one_causal_call: bool = False) -> bool:
+def uses_matmul_attention(q: Tensor, *, causal_run: bool = False) -> bool:
     """Whether attention for queries like ``q`` runs block by block as plain matmuls
-    (:func:`matmul_attention`): in bfloat16 or float16 on a CPU, unless the rows can run
-    as ``one_causal_call`` of SDPA (a whole sequence, or a prefill after a past no longer
-    than it) and the CPU has AMX (:func:`cpu_has_amx`).
+    (:func:`matmul_attention`): in bfloat16 or float16 on a CPU, unless the rows are a
+    ``causal_run`` (consecutive slots: a whole sequence, or a prefill after a past, which
+    :func:`tail_attention` runs on SDPA) and the CPU has AMX (:func:`cpu_has_amx`).
 
     With AMX, SDPA's causal flash kernel was the faster one for whole sequences: ``full``
     prefill took 391 ms against 535 ms on matmul blocks (Intel Xeon with AMX, 2 cores, 4
-    prompts of ~1,170 tokens, medians of the best of 3), while scattered rows stayed faster
-    on matmuls (``cacheblend`` 0.15: 187 against 197 ms).  Without AMX it is the other way
-    round for both (below).
+    prompts of ~1,170 tokens, medians of the best of 3), and for a prefill after a longer
+    past (a conversation's next turn) 0.73x the time at 700 rows after 1,300 and 0.58x at
+    700 after 2,500, the same at 1-40 rows (random tokens, best of 6).  Scattered rows
+    took the same time either way (``cacheblend`` 0.15, 3 prompts interleaved) and stay on
+    blocks.  Without AMX the matmul blocks were the faster (below).
 
     There SDPA's flash kernel ran at about a seventh of the matmuls' FLOP rate (SmolLM2,
     bf16, 2-core AMD EPYC with AVX512-BF16).  Two matmuls per block with a float32 softmax
@@ -139,7 +141,7 @@ def uses_matmul_attention(q: Tensor, *, one_causal_call: bool = False) -> bool:
     """
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return not (one_causal_call and cpu_has_amx())
+    return not (causal_run and cpu_has_amx())
 
 
 @functools.cache

@@ -210,9 +210,13 @@ def test_bf16_causal_runs_take_sdpa_with_amx_else_the_blocks(
     tail = after_short_past.attention(q[:, 200:], k, v, D**-0.5)
     torch.testing.assert_close(tail.double(), expected[200:], atol=2e-2, rtol=2e-2)
     assert len(blocked_calls) == (1 if amx else 3)  # one padded causal call with AMX
-    decoding = Rows.build(torch.tensor([s - 1]), s, _rope("llama"))
-    decoding.attention(q[:, -1:], k, v, D**-0.5)
-    assert len(blocked_calls) == (2 if amx else 4)  # one row after a long past: blocks
+    after_long_past = Rows.build(torch.arange(500, s), s, _rope("llama"))  # a next turn
+    tail = after_long_past.attention(q[:, 500:], k, v, D**-0.5)
+    torch.testing.assert_close(tail.double(), expected[500:], atol=2e-2, rtol=2e-2)
+    assert len(blocked_calls) == (1 if amx else 4)  # two causal calls merged with AMX
+    last_row = Rows.build(torch.tensor([s - 1]), s, _rope("llama"))
+    last_row.attention(q[:, -1:], k, v, D**-0.5)
+    assert len(blocked_calls) == (1 if amx else 5)  # one row after a long past, the same
 
 
 def test_cpu_has_amx_reads_the_cpu_flags() -> None:
