@@ -11,7 +11,8 @@ A chunk without ``id`` gets its content hash, as the retrievers compute it.  Fie
 OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, ...) are refused
 with a 400 rather than silently ignored; other unknown fields are ignored.  A null
 ``temperature``, ``top_p``, ``n``, ``stream`` or ``chunkcache`` means its default, as
-OpenAI reads it; ``stop`` takes at most 16 strings.
+OpenAI reads it; ``stop`` takes at most 16 strings; ``temperature`` is any finite number
+>= 0 (OpenAI caps it at 2; :class:`~chunkcache.core.generation.SamplingParams` does not).
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class GenerationBody(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    # No upper bound, unlike OpenAI's 2: SamplingParams takes any finite temperature >= 0
+    # (a large one samples near uniformly), so HttpBackend runs what LocalBackend runs.
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
