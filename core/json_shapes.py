@@ -54,20 +54,10 @@ def completion_events(lines: Iterable[str], where: str, server: str) -> Iterator
     """The events of an OpenAI completion stream (server-sent events), up to
     ``data: [DONE]``: each a JSON object whose ``choices``, ``usage`` and ``error`` have
     their types.  A line that is not SSE, an ``error`` event, or a stream that ends before
-    ``[DONE]`` (a cut-off answer) is a :class:`BackendUnavailableError`."""
+    ``[DONE]`` (a cut-off answer) is a :class:`BackendUnavailableError`; an event with
+    empty or blank data carries nothing and is skipped."""
     count = 0
-    for line in lines:
-        field, _, value = line.partition(":")
-        if not field:  # a blank line ends an event; a leading colon is a comment
-            continue
-        if field not in SSE_FIELDS:
-            raise BackendUnavailableError(
-                f"{server} answered {where} with something other than server-sent "
-                f"events: {line[:200]!r}"
-            )
-        if field != "data":
-            continue
-        data = value.strip()
+    for data in _event_data(lines, where, server):
         if data == "[DONE]":
             return
         event = json_object(
@@ -83,6 +73,31 @@ def completion_events(lines: Iterable[str], where: str, server: str) -> Iterator
         f"{server} ended the {where} stream without data: [DONE], after {count} "
         "event(s): the answer is cut off"
     )
+
+
+def _event_data(lines: Iterable[str], where: str, server: str) -> Iterator[str]:
+    """The data of each server-sent event in ``lines``, stripped, when it is not blank.
+
+    As the SSE spec reads a stream: an event's ``data`` lines are joined with newlines and
+    the event is dispatched at the blank line that ends it; an event the stream ends
+    before its blank line is dropped (it may be cut off).  Other fields and comments
+    (a leading colon) are skipped."""
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            text = "\n".join(data).strip()
+            data.clear()
+            if text:
+                yield text
+            continue
+        field, _, value = line.partition(":")
+        if field == "data":
+            data.append(value)
+        elif field and field not in SSE_FIELDS:
+            raise BackendUnavailableError(
+                f"{server} answered {where} with something other than server-sent "
+                f"events: {line[:200]!r}"
+            )
 
 
 def clip(value: Any) -> str:
