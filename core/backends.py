@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from chunkcache.core.generation import Backend
+from chunkcache.core.urls import check_api_key
 
 BackendName = Literal["local", "http", "vllm"]
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
@@ -40,6 +41,8 @@ class BackendSpec:
             return
         if not self.base_url:
             raise ValueError(f"backend={self.name!r} needs base_url, e.g. 'http://127.0.0.1:8000'")
+        if self.api_key:  # checked now: the backend itself is built on first use
+            check_api_key(self.api_key, "api_key")
         if self.name == "vllm" and not self.model:
             raise ValueError("backend='vllm' needs model: the name the vLLM server serves")
 

@@ -16,8 +16,8 @@ a 429 -> :class:`QueueFullError` (with the server's Retry-After, seconds or a da
 a :class:`BackendUnavailableError`, as the local backends raise);
 a 400, 404 or 413 -> ValueError with the server's message (:class:`PromptTooLongError`,
 as the local backends raise, for a 400 ``prompt_too_long``); a ``base_url`` that is not an
-http(s) URL with a host -> ValueError when the backend is made
-(:func:`~chunkcache.core.urls.server_root`).
+http(s) URL with a host (:func:`~chunkcache.core.urls.server_root`), or an ``api_key`` that
+is not visible ASCII (:func:`check_api_key`) -> ValueError when the backend is made.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from chunkcache.core.errors import (
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
-from chunkcache.core.urls import server_root
+from chunkcache.core.urls import check_api_key, server_root
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
 _DEFAULT_RETRY_AFTER_S = 1.0
@@ -68,10 +68,13 @@ class HttpBackend:
             isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
         ):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if api_key:
+            check_api_key(api_key, "api_key")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = root
         self._model = model
         self._context_window: int | None = None
+        self._model_info_read = False  # the window may be unknown (null): asked once all the same
         self._client = httpx.Client(
             base_url=root, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
         )
@@ -87,7 +90,7 @@ class HttpBackend:
     @property
     def context_window(self) -> int | None:
         """The served model's context length, as ``/v1/models`` reports it."""
-        if self._context_window is None:
+        if not self._model_info_read:
             self._load_model_info()
         return self._context_window
 
@@ -147,6 +150,7 @@ class HttpBackend:
         model = shaped(models[0], "GET /v1/models", _SERVER, id=str, max_model_len=int | None)
         self._model = self._model or model["id"]
         self._context_window = model.get("max_model_len")
+        self._model_info_read = True
 
     def _request(self, method: str, path: str, body: Any = None) -> _Response:
         return _Response(self._client, method, path, body)

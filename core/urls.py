@@ -1,5 +1,6 @@
-"""The ``base_url`` of a remote server, checked once for every HTTP client (``chunkcache serve``,
-vLLM): an http(s) URL with a host, given with or without its ``/v1``.
+"""The ``base_url`` and API key of a remote server, checked once for every HTTP client
+(``chunkcache serve``, vLLM): an http(s) URL with a host, given with or without its ``/v1``,
+and a key an HTTP header can carry.
 
 >>> server_root("http://127.0.0.1:8000/v1/")
 'http://127.0.0.1:8000'
@@ -7,9 +8,13 @@ vLLM): an http(s) URL with a host, given with or without its ``/v1``.
 
 from __future__ import annotations
 
+import unicodedata
+
 import httpx
 
-__all__ = ["server_root"]
+from chunkcache.core.errors import UsageError
+
+__all__ = ["check_api_key", "server_root"]
 
 
 def server_root(base_url: str) -> str:
@@ -44,3 +49,23 @@ def server_root(base_url: str) -> str:
             f"got a base_url for host {url.host!r}"
         )
     return root
+
+
+def check_api_key(key: str, name: str) -> None:
+    """:class:`UsageError` unless ``key`` (the setting ``name``) can be a bearer token:
+    visible ASCII characters (RFC 6750), which an HTTP header carries as they are.  The
+    message names the first character that cannot be by its position, never the key."""
+    for position, char in enumerate(key, 1):
+        if not "!" <= char <= "~":
+            raise UsageError(
+                f"{name} must be visible ASCII characters (it travels in an HTTP header): "
+                f"its character {position} is {_describe(char)}"
+            )
+
+
+def _describe(char: str) -> str:
+    """``char`` for an error message about a secret: named only if it is a space or a
+    control or format character, which no one means to have in a key."""
+    if char.isspace() or unicodedata.category(char)[0] in "CZ":
+        return f"U+{ord(char):04X} ({unicodedata.name(char, 'a control character')})"
+    return "not ASCII"

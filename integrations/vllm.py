@@ -49,7 +49,7 @@ from chunkcache.core.generation import (
 )
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.tokenization import render_chat
-from chunkcache.core.urls import server_root
+from chunkcache.core.urls import check_api_key, server_root
 
 __all__ = ["VllmBackend"]
 
@@ -92,6 +92,8 @@ class VllmBackend:
         self.base_url = server_root(base_url)
         self.model_name = model
         self._server = f"vLLM at {self.base_url}"
+        if api_key:
+            check_api_key(api_key, "api_key")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             base_url=f"{self.base_url}/v1",

@@ -4,7 +4,8 @@ Values come from, highest first: keyword arguments (the command line), environme
 variables ``CHUNKCACHE_SERVE_<FIELD>`` (e.g. ``CHUNKCACHE_SERVE_API_KEY=...``), then the
 defaults below.  A ``CHUNKCACHE_SERVE_*`` variable that names no field is refused (a
 misspelt ``API_KEY`` would otherwise leave the server open), as are infinite or NaN
-numbers, an empty host and an empty API key.
+numbers, an empty host, an empty API key, and one with a character other than visible ASCII
+(a client could not send it in its ``Authorization`` header).
 
 The KV store has its own settings, :class:`~chunkcache.core.store.settings.StoreSettings`
 (``CHUNKCACHE_STORE_*``): servers on one host that share its disk directory and Redis url
@@ -13,12 +14,13 @@ reuse each other's chunk KV.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from chunkcache.core.env_settings import CheckedEnvSettings
+from chunkcache.core.urls import check_api_key
 
 ENV_PREFIX = "CHUNKCACHE_SERVE_"
 
@@ -93,6 +95,14 @@ class ServeSettings(CheckedEnvSettings):
         allow_inf_nan=False,
         description="least Retry-After of a 429 (more when the queue is long)",
     )
+
+    def __init__(self, **values: Any) -> None:
+        """``values`` over the environment over the defaults; :class:`UsageError` for an
+        unknown ``CHUNKCACHE_SERVE_*`` variable or an API key no client could send."""
+        super().__init__(**values)
+        # Checked here, not in a validator: pydantic's error would quote the key.
+        if self.api_key is not None:
+            check_api_key(self.api_key.get_secret_value(), f"api_key ({ENV_PREFIX}API_KEY)")
 
     @field_validator("api_key", mode="before")
     @classmethod
