@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 
 from chunkcache.core.errors import QueueFullError, ShuttingDownError
@@ -41,7 +42,11 @@ class Ticket:
             runner._leave(outcome)
 
     def __del__(self) -> None:
-        self.release()
+        # The garbage collector runs this on whatever thread allocates, maybe one that holds
+        # the runner's or the metrics' lock (neither is reentrant): take neither here.
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner._dropped.append(None)  # deque.append is atomic
 
 
 class Runner:
@@ -60,30 +65,66 @@ class Runner:
         self.max_in_flight = max_in_flight
         self.parallel = parallel
         self.retry_after_s = retry_after_s
-        self.in_flight = 0
         self.closing = False
+        self._in_flight = 0
         self._mean_request_s = retry_after_s
         self._lock = threading.Lock()
+        self._dropped: deque[None] = deque()  # places of tickets dropped unreleased
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet left."""
+        with self._lock:
+            dropped = self._take_dropped()
+            in_flight = self._in_flight
+        self._count_cancelled(dropped)
+        return in_flight
 
     def admit(self) -> Ticket:
         """A place for one request, or QueueFullError / ShuttingDownError."""
         with self._lock:
-            if self.closing:
-                raise ShuttingDownError("the server is shutting down")
-            if self.in_flight >= self.max_in_flight:
-                waiting = self.in_flight - self.parallel + 1
-                retry = max(self.retry_after_s, self._mean_request_s * waiting / self.parallel)
-                raise QueueFullError(
-                    f"{self.in_flight} requests in flight, the most this server takes",
-                    retry_after_s=math.ceil(retry),
-                )
-            self.in_flight += 1
+            dropped = self._take_dropped()
+            refusal = self._refusal()
+            if refusal is None:
+                self._in_flight += 1
+        self._count_cancelled(dropped)
+        if refusal is not None:
+            raise refusal
         return Ticket(self)
+
+    def _refusal(self) -> QueueFullError | ShuttingDownError | None:
+        """Why a request cannot be admitted now, if it cannot (under the lock)."""
+        if self.closing:
+            return ShuttingDownError("the server is shutting down")
+        if self._in_flight < self.max_in_flight:
+            return None
+        waiting = self._in_flight - self.parallel + 1
+        retry = max(self.retry_after_s, self._mean_request_s * waiting / self.parallel)
+        return QueueFullError(
+            f"{self._in_flight} requests in flight, the most this server takes",
+            retry_after_s=math.ceil(retry),
+        )
 
     def _leave(self, outcome: str) -> None:
         with self._lock:
-            self.in_flight -= 1
+            self._in_flight -= 1
         self.metrics.inc("chunkcache_generations_total", "generations by outcome", outcome=outcome)
+
+    def _take_dropped(self) -> int:
+        """Give back the places of tickets dropped unreleased since the last call (under
+        the lock); their number."""
+        count = 0
+        while self._dropped:
+            self._dropped.popleft()
+            count += 1
+        self._in_flight -= count
+        return count
+
+    def _count_cancelled(self, count: int) -> None:
+        if count:
+            self.metrics.inc(
+                "chunkcache_generations_total", "generations by outcome", count, outcome="cancelled"
+            )
 
     async def open(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk]:
         """Admit ``request`` and run it up to its first piece, so a refusal or bad input
