@@ -77,3 +77,10 @@ def trimmed(messages: list[M], max_turns: int | None, is_user: Callable[[M], boo
     if max_turns is None or len(starts) <= max_turns:
         return messages
     return messages[starts[len(starts) - (max_turns + 1) // 2] :]
+
+
+def halved(messages: list[M], is_user: Callable[[M], bool]) -> list[M]:
+    """``messages`` less their older half of turns (the newest ``turns // 2`` stay; none of
+    a single turn), as :func:`trimmed` trims: what goes when a prompt outgrows its window."""
+    turns = sum(map(is_user, messages))
+    return trimmed(messages, turns - 1, is_user) if turns > 1 else []

@@ -3,7 +3,8 @@
 
 :class:`ChatTurns` loads a session's history (found by :func:`history_lookup`), lets the
 caller build the chain's input from it, runs the chain and, once it has answered (a stream:
-read to its end), saves the turn's user message and the answer.
+read to its end), saves the turn's user message and the answer.  :func:`prompt_budget` tells
+whether a chain's input makes a prompt that fits its ``ChunkCacheLLM``'s context window.
 :mod:`chunkcache.integrations.langchain_history` builds CRAFT §4.3's multi-turn layout on it.
 """
 
@@ -19,8 +20,18 @@ from langchain_core.callbacks import (
     CallbackManagerForChainRun,
 )
 from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.runnables import ConfigurableFieldSpec, Runnable, RunnableConfig
+from langchain_core.prompts import BasePromptTemplate
+from langchain_core.runnables import (
+    ConfigurableFieldSpec,
+    Runnable,
+    RunnableConfig,
+    RunnableSequence,
+)
+from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.utils import get_unique_config_specs
+
+from chunkcache.core.prompting import counts_prompts, fits_context_window
+from chunkcache.integrations.langchain_llm import ChunkCacheLLM
 
 
 class SessionHistory(Protocol):
@@ -105,6 +116,54 @@ def history_lookup(
         return get_session_history(**{key: configurable[key] for key in keys})
 
     return history_of
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    """A chain ``prompt | llm`` (then anything) whose ``llm`` is a :class:`ChunkCacheLLM`,
+    with the keyword arguments bound to it (``llm.bind(max_tokens=64)``)."""
+
+    prompt: BasePromptTemplate[Any]
+    llm: ChunkCacheLLM
+    options: dict[str, Any]
+
+    def fits(self, chain_input: dict[str, Any]) -> bool:
+        """Whether the prompt the chain makes of ``chain_input``, plus the answer's
+        ``max_tokens``, fits the LLM's context window, counted as its backend counts
+        (chat template and chunks included); True on a backend without a tokenizer in
+        this process (``http``).  May load the model, as the chain would."""
+        backend = self.llm.chunk_cache.backend
+        if not counts_prompts(backend):
+            return True
+        messages = self.prompt.format_prompt(**chain_input).to_messages()
+        # The request exactly as ChunkCacheLLM builds it from these messages.
+        request = self.llm._request(messages, None, dict(self.options))
+        return fits_context_window(backend, request)
+
+
+def prompt_budget(chain: Runnable[Any, Any]) -> PromptBudget | None:
+    """``chain``'s :class:`PromptBudget` when it is a prompt template then a ChunkCacheLLM
+    (either may be wrapped by ``bind``, ``with_config`` or ``with_retry``): the chains whose
+    prompt is counted without running them.  None for any other, an LLM of another kind
+    included, whose tokens are not counted (that would load its tokenizer)."""
+    chain, _ = _unbound(chain)
+    steps = chain.steps if isinstance(chain, RunnableSequence) else [chain]
+    if len(steps) < 2:
+        return None
+    (prompt, _), (llm, options) = _unbound(steps[0]), _unbound(steps[1])
+    if isinstance(prompt, BasePromptTemplate) and isinstance(llm, ChunkCacheLLM):
+        return PromptBudget(prompt, llm, options)
+    return None
+
+
+def _unbound(runnable: Runnable[Any, Any]) -> tuple[Runnable[Any, Any], dict[str, Any]]:
+    """The runnable inside ``runnable``'s bindings, and the keyword arguments they bind
+    (an outer binding's win, as they do when the chain runs)."""
+    options: dict[str, Any] = {}
+    while isinstance(runnable, RunnableBindingBase):
+        options = {**runnable.kwargs, **options}
+        runnable = runnable.bound
+    return runnable, options
 
 
 @dataclass

@@ -20,8 +20,9 @@ ledger is reset to the chunks still in the history, so a chunk that left it
 restarted over a persisted history) is sent again the next time it is retrieved.
 A user message the app rewrote keeps only the recorded chunks whose text it still
 holds.
-``max_history_turns`` trims the history so a long chat stays inside the context
-window (CRAFT §4.3 drops the earliest turns; their answers carry what they said).
+``max_history_turns`` trims the history to a number of turns (CRAFT §4.3 drops the
+earliest turns; their answers carry what they said); with a ``ChunkCacheLLM`` the history
+is also trimmed, the same way, whenever the prompt would not fit the context window.
 Run one turn of a conversation at a time (different conversations may run at once):
 a turn resets the ledger from the history, so a turn started before the previous one
 was saved may leave out a chunk of that unsaved turn.
@@ -37,6 +38,7 @@ was saved may leave out a chunk of that unsaved turn.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -51,6 +53,7 @@ from langchain_core.runnables.fallbacks import RunnableWithFallbacks
 
 from chunkcache.core.chat_turns import (
     CHUNK_IDS_KEY,
+    halved,
     held_chunk_ids,
     recorded_chunk_ids,
     trimmed,
@@ -63,6 +66,7 @@ from chunkcache.integrations.langchain_chat_turns import (
     SessionHistory,
     Turn,
     history_lookup,
+    prompt_budget,
 )
 
 __all__ = [
@@ -135,6 +139,19 @@ def with_chunk_history(
     past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
     so the cached prefix breaks once every few turns rather than every turn.  Trimming
     deletes those turns from the session history itself (a persistent one included).
+
+    The context window: when ``chain`` is a prompt template then a ``ChunkCacheLLM``
+    (``chunk_chat_prompt(...) | llm``, anything after; see
+    :func:`~chunkcache.integrations.langchain_chat_turns.prompt_budget`), a turn counts
+    the prompt it would send as the LLM's backend counts it; if that plus the LLM's
+    ``max_tokens`` exceeds the backend's ``context_window``, the oldest half of the turns
+    goes, again and again until the prompt fits, trimmed as above (from the session history
+    too).  With a ``dedupe="drop"`` retriever, when a dropped turn held chunks the
+    retriever runs again, so one it returns that left with those turns is sent again.  A
+    prompt that does not fit even without history is sent as it is, for the backend to
+    refuse (``PromptTooLongError``), and the history is left as it was.  Nothing is counted
+    for a chain of another shape or another LLM, or on a backend without a tokenizer in this
+    process (``http``): there ``max_history_turns`` keeps a long chat inside the window.
     The turn's user message and answer are saved once the chain has returned (or its
     stream has been read to the end); a chain that raises saves nothing.  A chain that
     returns a dict holds the answer under ``output_messages_key`` (or its only key).
@@ -145,6 +162,8 @@ def with_chunk_history(
     history_keys = [spec.id for spec in specs]
     history_of = history_lookup(get_session_history, history_keys)
     chunk_retriever = _chunk_cache_retriever(retriever)
+    budget = prompt_budget(chain)
+    drops_repeats = chunk_retriever is not None and chunk_retriever.dedupe == "drop"
 
     def conversation_of(config: RunnableConfig) -> str | None:
         """The conversation a turn belongs to: its history's key values (the session id by
@@ -168,8 +187,7 @@ def with_chunk_history(
         messages = history.messages
         kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
-            history.clear()
-            history.add_messages(kept)
+            _save(history, kept)
         sync_ledger(kept, config)
         return list(kept)  # a copy: saving this turn must not change the chain's input
 
@@ -177,10 +195,25 @@ def with_chunk_history(
         messages = await history.aget_messages()
         kept = trimmed(messages, max_history_turns, _is_user)
         if len(kept) < len(messages):
-            await history.aclear()
-            await history.aadd_messages(kept)
+            await _asave(history, kept)
         sync_ledger(kept, config)
         return list(kept)
+
+    def fits(chain_input: dict[str, Any]) -> bool:
+        """Whether the chain's prompt fits the context window (True when not counted)."""
+        return budget is None or budget.fits(chain_input)
+
+    def drop_oldest_turns(
+        earlier: list[BaseMessage], config: RunnableConfig
+    ) -> tuple[list[BaseMessage], bool]:
+        """``earlier`` less its older half of turns, as ``max_history_turns`` trims, with
+        the ledger synced to it (not yet the history: the trim may not be kept); and whether
+        the retriever must run again: it drops repeats, and chunks it may have left out of
+        this turn left the prompt with those turns."""
+        kept = halved(earlier, _is_user)
+        sync_ledger(kept, config)
+        lost = not set(chunk_ids_in(earlier)) <= set(chunk_ids_in(kept))
+        return kept, drops_repeats and lost
 
     def turn_messages(documents: list[Document], question: str) -> list[BaseMessage]:
         text = format_turn(question, documents, turn_template, document_separator)
@@ -199,24 +232,66 @@ def with_chunk_history(
         """The retriever's ``conversation_id``, when it is one of ours (else nothing)."""
         return {} if chunk_retriever is None else {"conversation_id": conversation_of(config)}
 
+    def turn_of(
+        inputs: dict[str, Any],
+        history: SessionHistory,
+        earlier: list[BaseMessage],
+        documents: list[Document],
+    ) -> Turn:
+        asked = turn_messages(documents, question_in(inputs))
+        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
+
     def start(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         question = question_in(inputs)
         history = history_of(config)
-        earlier = prepare(history, config)
+        began = earlier = prepare(history, config)
         documents = retriever.invoke(question, config, **conversation_kwargs(config))
-        asked = turn_messages(documents, question)
-        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
+        turn = turn_of(inputs, history, earlier, documents)
+        fitted = fits(turn.chain_input)
+        while not fitted and earlier:
+            earlier, retrieve_again = drop_oldest_turns(earlier, config)
+            if retrieve_again:
+                documents = retriever.invoke(question, config, **conversation_kwargs(config))
+            turn = turn_of(inputs, history, earlier, documents)
+            fitted = fits(turn.chain_input)
+        if earlier is not began and fitted:
+            _save(history, list(earlier))  # a copy, as prepare's
+        elif earlier is not began:  # the backend refuses the prompt: the turn changes nothing
+            sync_ledger(began, config)
+        return turn
 
     async def astart(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         question = question_in(inputs)
         history = history_of(config)
-        earlier = await aprepare(history, config)
+        began = earlier = await aprepare(history, config)
         documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
-        asked = turn_messages(documents, question)
-        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
+        turn = turn_of(inputs, history, earlier, documents)
+        fitted = await asyncio.to_thread(fits, turn.chain_input)
+        while not fitted and earlier:
+            earlier, retrieve_again = drop_oldest_turns(earlier, config)
+            if retrieve_again:
+                documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
+            turn = turn_of(inputs, history, earlier, documents)
+            fitted = await asyncio.to_thread(fits, turn.chain_input)
+        if earlier is not began and fitted:
+            await _asave(history, list(earlier))
+        elif earlier is not began:
+            sync_ledger(began, config)
+        return turn
 
     config_specs = [*chain.config_specs, *retriever.config_specs, *specs]
     return ChatTurns(chain, start, astart, output_messages_key, config_specs)
+
+
+def _save(history: SessionHistory, messages: list[BaseMessage]) -> None:
+    """Make ``messages`` the session's whole history."""
+    history.clear()
+    history.add_messages(messages)
+
+
+async def _asave(history: SessionHistory, messages: list[BaseMessage]) -> None:
+    await history.aclear()
+    await history.aadd_messages(messages)
 
 
 def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:

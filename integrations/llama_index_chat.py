@@ -22,6 +22,11 @@ retrieved, and one still in it is not sent again even if the ledger lost the
 conversation (LRU bound, TTL).  (CRAFT argues the answers already carry what
 trimmed chunks said; re-sending is the cautious choice.)
 
+With a :class:`~chunkcache.integrations.llama_index_llm.ChunkCacheLLM` the engine also
+keeps each prompt inside the model's context window: a prompt that, with the answer's
+``max_tokens``, would not fit loses its oldest turns the way ``max_history_turns`` trims
+(see :class:`ChunkCacheChatEngine`).
+
 >>> engine = ChunkCacheChatEngine.from_defaults(  # doctest: +SKIP
 ...     index.as_retriever(similarity_top_k=4), llm, system_prompt="Answer from the context."
 ... )
@@ -30,6 +35,7 @@ trimmed chunks said; re-sending is the cautious choice.)
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from llama_index.core.base.llms.types import (
@@ -49,9 +55,16 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.settings import Settings
 
 from chunkcache.core.cache import ChunkCache
-from chunkcache.core.chat_turns import CHUNK_IDS_KEY, held_chunk_ids, trimmed
+from chunkcache.core.chat_turns import (
+    CHUNK_IDS_KEY,
+    halved,
+    held_chunk_ids,
+    recorded_chunk_ids,
+    trimmed,
+)
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
+from chunkcache.core.prompting import counts_prompts, fits_context_window
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
 from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
@@ -68,6 +81,8 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_CONTEXT_TEMPLATE = "Context:\n{context_str}\n\nQuestion: {query_str}"
 CHUNK_SEPARATOR = "\n\n"
 
+Prompt = list[ChatMessage]
+
 
 class ChunkCacheChatEngine(BaseChatEngine):
     """A chat engine whose every prompt extends the previous one.
@@ -83,12 +98,24 @@ class ChunkCacheChatEngine(BaseChatEngine):
             ``{context_str}`` (the chunks, each rendered with its LLM metadata,
             the chunk text verbatim) and ``{query_str}``.  A turn without new
             chunks sends the question alone.
-        max_history_turns: earlier turns a prompt may carry (None: no limit;
-            the caller then keeps the conversation within the context window).
+        max_history_turns: earlier turns a prompt may carry (None: no limit).
             When exceeded, the oldest turns go in one step, keeping the newest
             ``(max_history_turns + 1) // 2``, so the cached prefix breaks once
             every few turns rather than every turn.  A ``chat_history=`` given
             to a turn is trimmed the same way (a turn starts at a user message).
+
+    The context window: when ``llm`` is a ChunkCacheLLM, a turn counts its prompt
+    (history, retrieved chunks and message, through the chat template) as the LLM's
+    backend counts it; if that plus the LLM's ``max_tokens`` exceeds the backend's
+    ``context_window``, the oldest half of the turns goes, again and again until the
+    prompt fits (each drop, like ``max_history_turns``, breaks the cached prefix once
+    for several turns).  With ``dedupe="drop"``, when a dropped turn held chunks the
+    retriever runs again, so one it returns that left with those turns is sent again.
+    A prompt that does not fit even without history is sent as it is, for the backend
+    to refuse (:class:`~chunkcache.core.errors.PromptTooLongError`), and the history
+    is left as it was.  Nothing is counted for another LLM, or on a backend without a
+    tokenizer in this process (``http``): there the caller keeps the conversation
+    within the window (``max_history_turns``).
 
     One turn at a time: consume a stream before starting the next turn.
     """
@@ -182,8 +209,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
-        nodes = self._retriever.retrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        nodes, user, prompt = self._fitted_turn(message)
         answer = self._llm.chat(prompt).message
         self._commit(turn, user, answer)
         return _response(answer, nodes)
@@ -192,8 +218,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
-        nodes = await self._retriever.aretrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        nodes, user, prompt = await self._afitted_turn(message)
         answer = (await self._llm.achat(prompt)).message
         self._commit(turn, user, answer)
         return _response(answer, nodes)
@@ -202,8 +227,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
-        nodes = self._retriever.retrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        nodes, user, prompt = self._fitted_turn(message)
         stream = self._llm.stream_chat(prompt)
 
         def commit_at_end() -> ChatResponseGen:
@@ -221,8 +245,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
-        nodes = await self._retriever.aretrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        nodes, user, prompt = await self._afitted_turn(message)
         stream = await self._llm.astream_chat(prompt)
 
         async def commit_at_end() -> ChatResponseAsyncGen:
@@ -242,9 +265,58 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self._turn_serial += 1
         return self._turn_serial
 
-    def _prompt(
-        self, message: str, nodes: list[NodeWithScore]
-    ) -> tuple[ChatMessage, list[ChatMessage]]:
+    def _fitted_turn(self, message: str) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
+        """This turn's nodes, user message and prompt, the history cut until the prompt fits
+        the context window (see the class docstring)."""
+        began = self._history
+        nodes = self._retriever.retrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        fitted = self._fits(prompt)
+        while not fitted and self._history:
+            if self._drop_oldest_turns():
+                nodes = self._retriever.retrieve(message)
+            user, prompt = self._prompt(message, nodes)
+            fitted = self._fits(prompt)
+        if not fitted and self._history is not began:
+            self._settle(began)  # the backend refuses the prompt: the turn changes nothing
+        return nodes, user, prompt
+
+    async def _afitted_turn(self, message: str) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
+        """:meth:`_fitted_turn` for async turns; counting (which may load the model) runs in
+        a worker thread."""
+        began = self._history
+        nodes = await self._retriever.aretrieve(message)
+        user, prompt = self._prompt(message, nodes)
+        fitted = await asyncio.to_thread(self._fits, prompt)
+        while not fitted and self._history:
+            if self._drop_oldest_turns():
+                nodes = await self._retriever.aretrieve(message)
+            user, prompt = self._prompt(message, nodes)
+            fitted = await asyncio.to_thread(self._fits, prompt)
+        if not fitted and self._history is not began:
+            self._settle(began)
+        return nodes, user, prompt
+
+    def _fits(self, prompt: Prompt) -> bool:
+        """Whether ``prompt`` and the answer's ``max_tokens`` fit the LLM's context window;
+        True when that is not counted (see the class docstring)."""
+        llm = self._llm
+        if not isinstance(llm, ChunkCacheLLM) or not counts_prompts(llm.cache.backend):
+            return True
+        # The request exactly as ChunkCacheLLM.chat builds it: chat template, chunks found.
+        request = llm._request(llm._chat_prompt(prompt), {})
+        return fits_context_window(llm.cache.backend, request)
+
+    def _drop_oldest_turns(self) -> bool:
+        """Drop the older half of the history's turns (a single turn: it), as
+        ``max_history_turns`` trims; True when the retriever must run again: it drops
+        repeats, and chunks it may have left out of this turn left the prompt."""
+        before = set(recorded_chunk_ids(self._history, _is_user))
+        self._settle(halved(self._history, _is_user))
+        after = set(recorded_chunk_ids(self._history, _is_user))
+        return self._retriever.dedupe == "drop" and not before <= after
+
+    def _prompt(self, message: str, nodes: list[NodeWithScore]) -> tuple[ChatMessage, Prompt]:
         """This turn's user message, and the whole prompt ending with it."""
         if nodes:
             context = CHUNK_SEPARATOR.join(
