@@ -108,21 +108,20 @@ def causal_blocks(
     return tuple(blocks)
 
 
-def uses_matmul_attention(q: Tensor, *, causal_run: bool = False) -> bool:
+def uses_matmul_attention(q: Tensor) -> bool:
     """Whether attention for queries like ``q`` runs block by block as plain matmuls
-    (:func:`matmul_attention`): in bfloat16 or float16 on a CPU, unless the rows are a
-    ``causal_run`` (consecutive slots: a whole sequence, or a prefill after a past, which
-    :func:`tail_attention` runs on SDPA) and the CPU has AMX (:func:`cpu_has_amx`).
+    (:func:`matmul_attention`) rather than on SDPA: in bfloat16 or float16 on a CPU without
+    AMX (:func:`cpu_has_amx`).
 
-    With AMX, SDPA's causal flash kernel was the faster one for whole sequences: ``full``
-    prefill took 391 ms against 535 ms on matmul blocks (Intel Xeon with AMX, 2 cores, 4
-    prompts of ~1,170 tokens, medians of the best of 3), and for a prefill after a longer
-    past (a conversation's next turn) 0.73x the time at 700 rows after 1,300 and 0.58x at
-    700 after 2,500, the same at 1-40 rows (random tokens, best of 6).  Scattered rows
-    took the same time either way (``cacheblend`` 0.15, 3 prompts interleaved) and stay on
-    blocks.  Without AMX the matmul blocks were the faster (below).
+    With AMX, SDPA was the faster for every kind of rows (Intel Xeon with AMX, 2 cores,
+    SmolLM2 bf16): ``full`` prefill took 391 ms against 535 ms on matmul blocks (4 prompts
+    of ~1,170 tokens, medians of the best of 3); a prefill after a longer past (a
+    conversation's next turn, :func:`tail_attention`) 0.73x the time for 700 rows after
+    1,300 past tokens, 0.58x after 2,500, the same for 1-40 rows; the layer loop over rows
+    of a 1,265-slot KV 0.85-0.97x for 128-1,024 scattered rows (selective recompute) and
+    0.66-0.95x for rows in a few runs (a prompt's uncached chunks), best of 6 interleaved.
 
-    There SDPA's flash kernel ran at about a seventh of the matmuls' FLOP rate (SmolLM2,
+    Without AMX, SDPA's flash kernel ran at about a seventh of the matmuls' FLOP rate (SmolLM2,
     bf16, 2-core AMD EPYC with AVX512-BF16).  Two matmuls per block with a float32 softmax
     between them, as Hugging Face's eager attention computes it, took 0.4-0.8x its time
     for blocks of 16-32 rows over 300-4,000 keys.  The engine's prefill, best of 3 on the
@@ -141,7 +140,7 @@ def uses_matmul_attention(q: Tensor, *, causal_run: bool = False) -> bool:
     """
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return not (causal_run and cpu_has_amx())
+    return not cpu_has_amx()
 
 
 @functools.cache

@@ -86,7 +86,7 @@ class Rows:
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
         first, n = int(self.index[0]), self.index.numel()
         consecutive = int(self.index[-1]) == first + n - 1  # a prefill, on a past if first > 0
-        if uses_matmul_attention(q, causal_run=self.mask is None or consecutive):
+        if uses_matmul_attention(q):
             blocks = self.blocks(q.shape[0], MATMUL_ROWS_PER_BLOCK)
             return blocked_attention(q, k, v, blocks, scale)
         if self.mask is None:

@@ -14,7 +14,6 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from chunkcache.core.models import rope_from_config
 from chunkcache.kernels import attention as attention_module
-from chunkcache.kernels import layer as layer_module
 from chunkcache.kernels.attention import (
     MAX_BLOCK_SCORES,
     attention,
@@ -167,8 +166,9 @@ def test_blocks_keep_their_scores_under_the_cap() -> None:
 
 
 @pytest.mark.parametrize("num_rows", [1, 40, 300])
-def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
-    # bf16 on a CPU: every block runs as two matmuls and a float32 softmax
+def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 on a CPU without AMX: every block runs as two matmuls and a float32 softmax
+    monkeypatch.setattr(attention_module, "cpu_has_amx", lambda: False)
     s = 300
     q = _randn(H, num_rows, D, seed=4).to(torch.bfloat16)
     k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (5, 6))
@@ -183,40 +183,35 @@ def test_bf16_blocks_on_matmuls_match_sdpa(num_rows: int) -> None:
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_causal_runs_take_sdpa_with_amx_else_the_blocks(
+def test_bf16_attention_takes_sdpa_with_amx_else_matmul_blocks(
     amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(attention_module, "cpu_has_amx", lambda: amx)
-    blocked_calls: list[int] = []
-    blocked = layer_module.blocked_attention
+    matmul_calls: list[int] = []
+    on_matmuls = attention_module.matmul_attention
 
     def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        blocked_calls.append(1)
-        return blocked(*args, **kwargs)  # type: ignore[arg-type]
+        matmul_calls.append(1)
+        return on_matmuls(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(layer_module, "blocked_attention", counting)
+    monkeypatch.setattr(attention_module, "matmul_attention", counting)
     s = 600
     q = _randn(H, s, D, seed=1).to(torch.bfloat16)
     k, v = (_randn(H_KV, s, D, seed=i).to(torch.bfloat16) for i in (2, 3))
-    rows = Rows.build(torch.arange(s), s, _rope("llama"))
-    expected = attention(q.double(), k.double(), v.double(), None, D**-0.5)
-    actual = rows.attention(q, k, v, D**-0.5)
-    assert bool(blocked_calls) is not amx  # AMX: SDPA's causal kernel; else matmul blocks
-    torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
-    scattered = Rows.build(torch.arange(0, s, 3), s, _rope("llama"))
-    scattered.attention(q[:, ::3], k, v, D**-0.5)
-    assert len(blocked_calls) == (1 if amx else 2)  # scattered rows: blocks either way
-    after_short_past = Rows.build(torch.arange(200, s), s, _rope("llama"))  # a prefix hit
-    tail = after_short_past.attention(q[:, 200:], k, v, D**-0.5)
-    torch.testing.assert_close(tail.double(), expected[200:], atol=2e-2, rtol=2e-2)
-    assert len(blocked_calls) == (1 if amx else 3)  # one padded causal call with AMX
-    after_long_past = Rows.build(torch.arange(500, s), s, _rope("llama"))  # a next turn
-    tail = after_long_past.attention(q[:, 500:], k, v, D**-0.5)
-    torch.testing.assert_close(tail.double(), expected[500:], atol=2e-2, rtol=2e-2)
-    assert len(blocked_calls) == (1 if amx else 4)  # two causal calls merged with AMX
-    last_row = Rows.build(torch.tensor([s - 1]), s, _rope("llama"))
-    last_row.attention(q[:, -1:], k, v, D**-0.5)
-    assert len(blocked_calls) == (1 if amx else 5)  # one row after a long past, the same
+    expected = attention(q.double(), k.double(), v.double(), None, D**-0.5)  # [S, H * D]
+    cases = {
+        "whole sequence": torch.arange(s),
+        "scattered rows": torch.arange(0, s, 3),
+        "after a short past": torch.arange(200, s),  # a prefix hit
+        "after a long past": torch.arange(500, s),  # a conversation's next turn
+        "one row": torch.tensor([s - 1]),
+        "rows in runs": torch.cat((torch.arange(50, 150), torch.arange(400, 450))),
+    }
+    for name, index in cases.items():
+        matmul_calls.clear()
+        actual = Rows.build(index, s, _rope("llama")).attention(q[:, index], k, v, D**-0.5)
+        torch.testing.assert_close(actual.double(), expected[index], atol=2e-2, rtol=2e-2)
+        assert bool(matmul_calls) is not amx, name  # AMX: SDPA everywhere; else matmul blocks
 
 
 def test_cpu_has_amx_reads_the_cpu_flags() -> None:
