@@ -191,22 +191,32 @@ def backend_model_name(backend: Backend) -> str:
     return name if isinstance(name, str) and name else DEFAULT_MODEL_NAME
 
 
+def has_tokenizer(backend: Backend) -> bool:
+    """Whether ``backend`` holds its tokenizer in this process: ``segment_tokenizer`` on the
+    local engines, ``tokenizer`` on vllm (``http`` has none: the server holds it)."""
+    tokenizers = (getattr(backend, name, None) for name in ("segment_tokenizer", "tokenizer"))
+    return any(tokenizer is not None for tokenizer in tokenizers)
+
+
 def counts_prompts(backend: Backend) -> bool:
     """Whether :func:`fits_context_window` can count ``backend``'s prompts in this process:
-    it has a tokenizer here (``http`` has none: the server holds it) and a context window."""
-    tokenizers = (getattr(backend, name, None) for name in ("segment_tokenizer", "tokenizer"))
-    has_tokenizer = any(tokenizer is not None for tokenizer in tokenizers)
-    return has_tokenizer and isinstance(getattr(backend, "context_window", None), int)
+    it :func:`has_tokenizer` and a context window."""
+    return has_tokenizer(backend) and isinstance(getattr(backend, "context_window", None), int)
+
+
+def prompt_tokens(backend: Any, request: GenerationRequest) -> int:
+    """How many tokens ``request``'s prompt is to ``backend`` (one that
+    :func:`counts_prompts`), counted as it counts: per segment on the local engines (each
+    chunk is tokenized on its own), the whole prompt on another (vLLM's check)."""
+    segment_tokenizer = getattr(backend, "segment_tokenizer", None)
+    if segment_tokenizer is not None:
+        return sum(len(segment.ids) for segment in segment_tokenizer(request.segments))
+    text = "".join(segment.text for segment in request.segments)
+    return len(backend.tokenizer.encode(text, add_special_tokens=False))
 
 
 def fits_context_window(backend: Any, request: GenerationRequest) -> bool:
-    """Whether ``request``'s prompt and ``max_tokens`` fit the context window of ``backend``
-    (one that :func:`counts_prompts`), counted as it counts: per segment on the local engines
-    (each chunk is tokenized on its own), the whole prompt on another (vLLM's check)."""
-    segment_tokenizer = getattr(backend, "segment_tokenizer", None)
-    if segment_tokenizer is not None:
-        tokens = sum(len(segment.ids) for segment in segment_tokenizer(request.segments))
-    else:
-        text = "".join(segment.text for segment in request.segments)
-        tokens = len(backend.tokenizer.encode(text, add_special_tokens=False))
+    """Whether ``request``'s prompt (:func:`prompt_tokens`) and ``max_tokens`` fit the
+    context window of ``backend`` (one that :func:`counts_prompts`)."""
+    tokens = prompt_tokens(backend, request)
     return bool(tokens + request.sampling.max_tokens <= backend.context_window)

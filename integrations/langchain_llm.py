@@ -20,6 +20,14 @@ evicted) can be named per call: ``llm.invoke(messages, chunks=docs)`` takes
 Documents (id: as the retriever computes it, so its own documents keep theirs) or
 (chunk id, text) pairs.  Other per-call options: ``recompute``,
 ``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``.
+
+Token counting (``get_num_tokens``, ``get_num_tokens_from_messages``, hence
+``trim_messages(..., token_counter=llm)``) uses the backend's tokenizer and counts the
+prompt as it is sent, never LangChain's fallback GPT-2 tokenizer (a hub download, and
+other counts): on the ``local`` and ``vllm`` backends; ``http`` has no tokenizer in the
+app's process, so there it needs LangChain's ``custom_get_token_ids``.
+
+>>> recent = trim_messages(history, max_tokens=2000, token_counter=llm)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -53,9 +61,11 @@ from pydantic import Field, model_validator
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.errors import UsageError
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
+    Backend,
     GenerationChunk,
     GenerationRequest,
     GenerationStats,
@@ -67,6 +77,8 @@ from chunkcache.core.prompting import (
     backend_model_name,
     build_request,
     call_options,
+    has_tokenizer,
+    prompt_tokens,
     run_stream,
 )
 from chunkcache.core.retrieval import conversation_id_from
@@ -231,6 +243,52 @@ class ChunkCacheLLM(BaseChatModel):
         # when the awaiting task is cancelled, holding the engine.
         return await agenerate_from_stream(self._astream(messages, stop, **kwargs))
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """The ids of ``text``'s tokens under the backend's tokenizer, no special tokens
+        added; ``custom_get_token_ids(text)`` instead when it is set.
+
+        Counting needs the tokenizer in this process, so it may load the local model, as
+        the first generation would (the vllm backend loads its tokenizer only).
+
+        Raises:
+            UsageError: the backend has no tokenizer here (``http``: the server holds it).
+        """
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        backend = _counting_backend(self.chunk_cache.backend)
+        segment_tokenizer = getattr(backend, "segment_tokenizer", None)
+        if segment_tokenizer is not None:
+            return list(segment_tokenizer.encode(text, at_start=True))
+        return list(backend.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None, **kwargs: Any
+    ) -> int:
+        """The tokens of the prompt this model sends for ``messages``: the chat template
+        applied and the chunks found as :meth:`invoke` does (``kwargs``: its per-call
+        options, e.g. ``chunks=``), counted as the backend counts them (each segment on its
+        own on the local engines, the whole prompt on vllm).  May load the local model, as
+        :meth:`get_token_ids` may.
+
+        With ``custom_get_token_ids`` set, LangChain's own count with it (each message as
+        its ``"Human: ..."`` text): nothing is rendered, no model is loaded.
+
+        Raises:
+            TypeError: ``tools`` given (this model has no tool calling), or an unknown
+                option in ``kwargs``.
+            UsageError: the backend has no tokenizer here (``http``: the server holds it).
+        """
+        if tools:
+            raise TypeError(
+                "ChunkCacheLLM has no tool calling (the default model does not do it), so "
+                "there are no tool schemas to count: call it without tools"
+            )
+        call_options(self, kwargs)  # unknown options are refused, as invoke refuses them
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages)
+        backend = _counting_backend(self.chunk_cache.backend)
+        return prompt_tokens(backend, self._request(messages, None, kwargs))
+
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> GenerationRequest:
@@ -280,6 +338,20 @@ def _with_conversation(config: RunnableConfig | None, kwargs: dict[str, Any]) ->
     if conversation_id is None or "conversation_id" in kwargs:
         return kwargs
     return {**kwargs, "conversation_id": conversation_id}
+
+
+def _counting_backend(backend: Backend) -> Any:
+    """``backend``, checked to hold a tokenizer in this process (:func:`has_tokenizer`).
+    LangChain's fallback, GPT-2's tokenizer fetched from the Hugging Face hub, counts other
+    tokens than the model's: never used."""
+    if has_tokenizer(backend):
+        return backend
+    raise UsageError(
+        f"ChunkCacheLLM cannot count tokens on its backend ({type(backend).__name__}): it "
+        "has no tokenizer in this process (with backend='http' the chunkcache server holds "
+        "it, and counting there is not available). Pass custom_get_token_ids= (a function "
+        "from text to the served model's token ids) or use backend='local' or 'vllm'"
+    )
 
 
 def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
