@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -62,6 +64,7 @@ from chunkcache.core.chat_turns import (
     recorded_chunk_ids,
     trimmed,
 )
+from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.core.prompting import counts_prompts, fits_context_window
@@ -80,6 +83,12 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 DEFAULT_CONTEXT_TEMPLATE = "Context:\n{context_str}\n\nQuestion: {query_str}"
 CHUNK_SEPARATOR = "\n\n"
+# A refused chat prompt names these fixes, not the query engines' counting hint.
+CHAT_FIT_HINT = (
+    "A chat engine drops earlier turns until its prompt fits when it can count it (a "
+    "ChunkCacheLLM on the local or vllm backend), else set max_history_turns; retrieving "
+    "fewer chunks (similarity_top_k) or a lower max_tokens also helps"
+)
 
 Prompt = list[ChatMessage]
 
@@ -210,7 +219,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
         nodes, user, prompt = self._fitted_turn(message)
-        answer = self._llm.chat(prompt).message
+        with _chat_refusal():
+            answer = self._llm.chat(prompt).message
         self._commit(turn, user, answer)
         return _response(answer, nodes)
 
@@ -219,7 +229,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
         nodes, user, prompt = await self._afitted_turn(message)
-        answer = (await self._llm.achat(prompt)).message
+        with _chat_refusal():
+            answer = (await self._llm.achat(prompt)).message
         self._commit(turn, user, answer)
         return _response(answer, nodes)
 
@@ -228,13 +239,15 @@ class ChunkCacheChatEngine(BaseChatEngine):
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
         nodes, user, prompt = self._fitted_turn(message)
-        stream = self._llm.stream_chat(prompt)
+        with _chat_refusal():
+            stream = self._llm.stream_chat(prompt)
 
         def commit_at_end() -> ChatResponseGen:
             answer = ""
-            for response in stream:
-                answer += response.delta or ""
-                yield response
+            with _chat_refusal():
+                for response in stream:
+                    answer += response.delta or ""
+                    yield response
             self._commit(turn, user, _assistant(answer))
 
         return StreamingAgentChatResponse(
@@ -246,13 +259,15 @@ class ChunkCacheChatEngine(BaseChatEngine):
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
         nodes, user, prompt = await self._afitted_turn(message)
-        stream = await self._llm.astream_chat(prompt)
+        with _chat_refusal():
+            stream = await self._llm.astream_chat(prompt)
 
         async def commit_at_end() -> ChatResponseAsyncGen:
             answer = ""
-            async for response in stream:
-                answer += response.delta or ""
-                yield response
+            with _chat_refusal():
+                async for response in stream:
+                    answer += response.delta or ""
+                    yield response
             self._commit(turn, user, _assistant(answer))
 
         return StreamingAgentChatResponse(
@@ -372,6 +387,16 @@ def _system_role(llm: LLM) -> MessageRole:
     """The role of ``llm``'s system message; a ChunkCacheLLM's is known without reading its
     metadata, which loads the model (an async app may build an engine on its event loop)."""
     return MessageRole.SYSTEM if isinstance(llm, ChunkCacheLLM) else llm.metadata.system_role
+
+
+@contextmanager
+def _chat_refusal() -> Iterator[None]:
+    """A PromptTooLongError explained for a chat (:data:`CHAT_FIT_HINT`)."""
+    try:
+        yield
+    except PromptTooLongError as error:
+        cause = error.__cause__ if isinstance(error.__cause__, PromptTooLongError) else error
+        raise PromptTooLongError(f"{cause}. {CHAT_FIT_HINT}") from cause
 
 
 def _is_user(message: ChatMessage) -> bool:

@@ -38,7 +38,8 @@ from chunkcache.core.models import LoadedModel
 from chunkcache.integrations import langchain, llama_index
 from chunkcache.integrations.langchain_chat_turns import InMemoryChatHistory, prompt_budget
 from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
-from chunkcache.integrations.llama_index_chat import ChunkCacheChatEngine
+from chunkcache.integrations.llama_index_chat import CHAT_FIT_HINT, ChunkCacheChatEngine
+from chunkcache.integrations.llama_index_tokens import COUNTING_HINT
 
 WINDOW = 1024
 MAX_TOKENS = 8
@@ -246,8 +247,10 @@ def test_a_llama_index_turn_too_long_alone_is_refused_and_changes_nothing(
         engine.chat(question(i))
     saved = engine.chat_history
     seen = cache.ledger.seen("long-chat")
-    with pytest.raises(PromptTooLongError, match="context window"):
+    with pytest.raises(PromptTooLongError, match="context window") as refused:
         engine.chat("huge")
+    # a chat's fixes, not the query engines' advice on how LlamaIndex counts tokens
+    assert str(refused.value).endswith(CHAT_FIT_HINT) and COUNTING_HINT not in str(refused.value)
     assert backend.prompts[-1].count(USER) == 1
     assert engine.chat_history == saved and cache.ledger.seen("long-chat") == seen
     engine.chat(question(3))
