@@ -179,7 +179,7 @@ def blocked_attention(
     ``G x`` the rows, so each key block is read once per KV head rather than once per
     query head: with few rows SDPA's CPU kernel is bound by reading keys (measured on
     SmolLM2 shapes, 170 rows over 1,170 slots, bf16: ~15% less time than unfolded).
-    In bfloat16 on a CPU each block runs as :func:`matmul_attention` instead of SDPA
+    In bfloat16 on a CPU without AMX each block runs as :func:`matmul_attention` instead of SDPA
     (:func:`uses_matmul_attention`).
     """
     # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
