@@ -128,12 +128,15 @@ class ChunkCache:
         conversation_id: str | None = None,
         ordering: Ordering = "tree",
         dedupe: DedupeMode = "mark",
+        count_request: bool = True,
     ) -> Arrangement:
         """Record one request's retrieved chunks and decide their prompt order.
 
         CRAFT §4.2: the access table counts every retrieved chunk; the chunks the
         conversation does not drop (§4.3) are ordered, and the prefix tree
-        promotes or extends the chosen order.
+        promotes or extends the chosen order.  ``count_request=False``: the request
+        was counted already (this arranges it again), so the access table and
+        :attr:`num_requests` are left as they are.
         """
         if isinstance(chunk_ids, str):
             raise TypeError("chunk_ids must be a sequence of chunk ids, not one str")
@@ -146,8 +149,9 @@ class ChunkCache:
         else:
             kept, dropped, seen = unique, [], frozenset()
         with self._lock:
-            self.num_requests += 1
-            self.access_table.record(unique)
+            if count_request:
+                self.num_requests += 1
+                self.access_table.record(unique)
             order = order_chunks(kept, ordering, self.access_table, self.prefix_tree)
             prefix_length = self.prefix_tree.longest_prefix_length(order)
             self.prefix_tree.update(order, self.access_table.count)

@@ -12,6 +12,10 @@ nested inside it returns its base's results untouched (:func:`plan_retrieval` re
 None for it), so a request is neither counted twice nor dropped as "already sent" by
 the wrapper that sent it.  The outermost wrapper's ordering and dedupe mode apply, and
 its conversation id, or when it has none the first one a nested wrapper was given.
+
+A chat helper that trims its history may run the retriever again for the same turn
+(chunks it dropped as repeats left the prompt): inside :func:`replanning` that request
+is deduped and ordered as usual but not counted again in the access table.
 """
 
 from __future__ import annotations
@@ -90,6 +94,21 @@ def retrieval_scope(cache: ChunkCache, conversation_id: str | None) -> Iterator[
         _open_scopes.reset(token)
 
 
+# True while the retrievals planned in this thread or task re-run a request already counted.
+_replanning: ContextVar[bool] = ContextVar("chunkcache_replanning", default=False)
+
+
+@contextmanager
+def replanning() -> Iterator[None]:
+    """Retrievals planned inside re-run a request already planned (on any cache): they are
+    deduped and ordered as usual, but the access table does not count the request again."""
+    token = _replanning.set(True)
+    try:
+        yield
+    finally:
+        _replanning.reset(token)
+
+
 def _checked(conversation_id: str | None) -> str | None:
     """``conversation_id`` as the ledger keys it, or None for no conversation."""
     return None if conversation_id is None else check_conversation_id(conversation_id)
@@ -143,7 +162,11 @@ def plan_retrieval(
     if num_empty:
         logger.warning("left out %d empty or whitespace-only documents", num_empty)
     arrangement = cache.arrange(
-        list(first_index), conversation_id=conversation_id, ordering=ordering, dedupe=dedupe
+        list(first_index),
+        conversation_id=conversation_id,
+        ordering=ordering,
+        dedupe=dedupe,
+        count_request=not _replanning.get(),
     )
     rank = {cid: r for r, cid in enumerate(first_index)}
     chunks = [

@@ -58,6 +58,7 @@ from chunkcache.core.chat_turns import (
     recorded_chunk_ids,
     trimmed,
 )
+from chunkcache.core.retrieval import replanning
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_chat_turns import (
     SESSION_ID,
@@ -147,11 +148,12 @@ def with_chunk_history(
     ``max_tokens`` exceeds the backend's ``context_window``, the oldest half of the turns
     goes, again and again until the prompt fits, trimmed as above (from the session history
     too).  With a ``dedupe="drop"`` retriever, when a dropped turn held chunks the
-    retriever runs again, so one it returns that left with those turns is sent again.  A
-    prompt that does not fit even without history is sent as it is, for the backend to
-    refuse (``PromptTooLongError``), and the history is left as it was.  Nothing is counted
-    for a chain of another shape or another LLM, or on a backend without a tokenizer in this
-    process (``http``): there ``max_history_turns`` keeps a long chat inside the window.
+    retriever runs again (the access table still counts the turn once), so one it returns
+    that left with those turns is sent again.  A prompt that does not fit even without
+    history is sent as it is, for the backend to refuse (``PromptTooLongError``), and the
+    history is left as it was.  Nothing is counted for a chain of another shape or another
+    LLM, or on a backend without a tokenizer in this process (``http``): there
+    ``max_history_turns`` keeps a long chat inside the window.
     The turn's user message and answer are saved once the chain has returned (or its
     stream has been read to the end); a chain that raises saves nothing.  A chain that
     returns a dict holds the answer under ``output_messages_key`` (or its only key).
@@ -251,7 +253,8 @@ def with_chunk_history(
         while not fitted and earlier:
             earlier, retrieve_again = drop_oldest_turns(earlier, config)
             if retrieve_again:
-                documents = retriever.invoke(question, config, **conversation_kwargs(config))
+                with replanning():  # this turn's request is counted already
+                    documents = retriever.invoke(question, config, **conversation_kwargs(config))
             turn = turn_of(inputs, history, earlier, documents)
             fitted = fits(turn.chain_input)
         if earlier is not began and fitted:
@@ -270,7 +273,10 @@ def with_chunk_history(
         while not fitted and earlier:
             earlier, retrieve_again = drop_oldest_turns(earlier, config)
             if retrieve_again:
-                documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
+                with replanning():
+                    documents = await retriever.ainvoke(
+                        question, config, **conversation_kwargs(config)
+                    )
             turn = turn_of(inputs, history, earlier, documents)
             fitted = await asyncio.to_thread(fits, turn.chain_input)
         if earlier is not began and fitted:

@@ -68,6 +68,7 @@ from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.core.prompting import counts_prompts, fits_context_window
+from chunkcache.core.retrieval import replanning
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
 from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
 
@@ -119,12 +120,13 @@ class ChunkCacheChatEngine(BaseChatEngine):
     ``context_window``, the oldest half of the turns goes, again and again until the
     prompt fits (each drop, like ``max_history_turns``, breaks the cached prefix once
     for several turns).  With ``dedupe="drop"``, when a dropped turn held chunks the
-    retriever runs again, so one it returns that left with those turns is sent again.
-    A prompt that does not fit even without history is sent as it is, for the backend
-    to refuse (:class:`~chunkcache.core.errors.PromptTooLongError`), and the history
-    is left as it was.  Nothing is counted for another LLM, or on a backend without a
-    tokenizer in this process (``http``): there the caller keeps the conversation
-    within the window (``max_history_turns``).
+    retriever runs again (the access table still counts the turn once), so one it
+    returns that left with those turns is sent again.  A prompt that does not fit even
+    without history is sent as it is, for the backend to refuse
+    (:class:`~chunkcache.core.errors.PromptTooLongError`), and the history is left as it
+    was.  Nothing is counted for another LLM, or on a backend without a tokenizer in
+    this process (``http``): there the caller keeps the conversation within the window
+    (``max_history_turns``).
 
     One turn at a time: consume a stream before starting the next turn.
     """
@@ -289,7 +291,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
         fitted = self._fits(prompt)
         while not fitted and self._history:
             if self._drop_oldest_turns():
-                nodes = self._retriever.retrieve(message)
+                with replanning():  # this turn's request is counted already
+                    nodes = self._retriever.retrieve(message)
             user, prompt = self._prompt(message, nodes)
             fitted = self._fits(prompt)
         if not fitted and self._history is not began:
@@ -305,7 +308,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
         fitted = await asyncio.to_thread(self._fits, prompt)
         while not fitted and self._history:
             if self._drop_oldest_turns():
-                nodes = await self._retriever.aretrieve(message)
+                with replanning():
+                    nodes = await self._retriever.aretrieve(message)
             user, prompt = self._prompt(message, nodes)
             fitted = await asyncio.to_thread(self._fits, prompt)
         if not fitted and self._history is not began:
