@@ -1,9 +1,10 @@
 """The ``chunkcache serve`` FastAPI app: OpenAI's endpoints over any :class:`Backend`.
 
 Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE with
-``stream: true``), ``GET /v1/models``, ``POST /v1/chunks`` (chunks to find in later
-prompts), ``POST /v1/chunkcache/render`` (chat messages -> prompt text, for
-:class:`~chunkcache.core.http_backend.HttpBackend`), ``GET /health``, ``GET /metrics``.
+``stream: true``), ``GET /v1/models`` and ``/v1/models/{model}``, ``POST /v1/chunks``
+(chunks to find in later prompts), ``POST /v1/chunkcache/render`` (chat messages -> prompt
+text, for :class:`~chunkcache.core.http_backend.HttpBackend`), ``GET /health``,
+``GET /metrics``.
 
 A prompt is split into text and chunks the way ``ChunkCacheLLM`` splits it
 (:func:`~chunkcache.core.prompting.build_request`): by the request's ``chunkcache.chunks``
@@ -103,17 +104,23 @@ def _open_routes(state: ServeState) -> APIRouter:
 def _v1_routes(state: ServeState) -> APIRouter:
     router = APIRouter(prefix="/v1", route_class=_authenticated(state.settings.api_key))
 
-    @router.get("/models")
-    async def models() -> dict[str, Any]:
-        context = getattr(state.backend, "context_window", None)
-        model = {
+    def card() -> dict[str, Any]:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": int(state.started),
             "owned_by": "chunkcache",
-            "max_model_len": context,
+            "max_model_len": getattr(state.backend, "context_window", None),
         }
-        return {"object": "list", "data": [model]}
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @router.get("/models/{model:path}")  # a model name may hold a "/"
+    async def model(model: str) -> dict[str, Any]:
+        state.check_model(model)
+        return card()
 
     @router.post("/chunks")
     async def chunks(body: ChunksBody) -> dict[str, Any]:
@@ -130,21 +137,19 @@ def _v1_routes(state: ServeState) -> APIRouter:
 
     @router.post("/chunkcache/render")
     async def render(body: RenderBody) -> dict[str, str]:
-        messages = [m.as_dict() for m in body.messages]
-        return {"prompt": await anyio.to_thread.run_sync(state.backend.render_chat, messages)}
+        return {"prompt": await anyio.to_thread.run_sync(state.render, body.messages)}
 
     @router.post("/chat/completions", response_model=None)
     async def chat(body: ChatCompletionBody, request: Request) -> Response:
         def prepare() -> EngineRequest:
-            prompt = state.backend.render_chat([m.as_dict() for m in body.messages])
-            return state.request_for(body, prompt)
+            return state.request_for(body, state.render(body.messages))
 
         return await generate(state, "chat", body, request, prepare)
 
     @router.post("/completions", response_model=None)
     async def completions(body: CompletionBody, request: Request) -> Response:
         return await generate(
-            state, "text", body, request, lambda: state.request_for(body, body.prompt_text())
+            state, "text", body, request, lambda: state.request_for(body, body.prompt)
         )
 
     return router

@@ -4,7 +4,8 @@
 failure                                    status  error type (code)
 =========================================  ======  ====================================
 bad body, bad policy, empty messages, a    400     invalid_request_error
-bad seed, text with a lone surrogate
+bad seed, text with a lone surrogate,
+messages the chat template refuses
 max_tokens over ``max_tokens_limit``       400     invalid_request_error (max_tokens_too_large)
 prompt over ``max_prompt_chars``, or       400     invalid_request_error (prompt_too_long)
 (plus max_tokens) over the context window,
@@ -17,12 +18,16 @@ shutting down                              503     service_unavailable (shutting
 the engine stopped or failed               503     service_unavailable (backend_unavailable)
 anything else (logged)                     500     server_error
 =========================================  ======  ====================================
+
+A 400 names the request field at fault in the error's ``param`` when there is one
+(``messages[0].content[1]``, ``tools``, ``max_completion_tokens``...).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -50,16 +55,20 @@ class ServeError(Exception):
         type_: str = "invalid_request_error",
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.type = type_
         self.code = code
         self.headers = headers or {}
+        self.param = param
 
     def response(self) -> JSONResponse:
         return JSONResponse(
-            error_body(str(self), self.type, self.code), self.status, headers=self.headers
+            error_body(str(self), self.type, self.code, self.param),
+            self.status,
+            headers=self.headers,
         )
 
 
@@ -84,6 +93,21 @@ def serve_error(error: BaseException) -> ServeError:
     return ServeError(500, f"internal error: {type(error).__name__}", "server_error")
 
 
+def template_refusal(error: Exception) -> ServeError | None:
+    """The 400 for a chat template that refuses the messages (its ``raise_exception``, e.g.
+    on a system message where it has no system role, or on turns that do not alternate), or
+    None.  A template that does not parse is the server's fault: not a 400."""
+    try:
+        from jinja2 import TemplateError, TemplateSyntaxError
+    except ImportError:  # no jinja2, no chat template raised it
+        return None
+    if not isinstance(error, TemplateError) or isinstance(error, TemplateSyntaxError):
+        return None
+    return ServeError(
+        400, f"the model's chat template refuses these messages: {error}", param="messages"
+    )
+
+
 async def handle_error(request: Request, error: Exception) -> JSONResponse:
     """Exception handler for every error a route lets through."""
     return serve_error(error).response()
@@ -92,8 +116,33 @@ async def handle_error(request: Request, error: Exception) -> JSONResponse:
 async def handle_validation_error(request: Request, error: Exception) -> JSONResponse:
     """A body that does not parse or validate is a 400, as OpenAI answers, not a 422."""
     assert isinstance(error, RequestValidationError)
+    items = error.errors()
     parts = []
-    for item in error.errors()[:5]:
-        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {item.get('msg', 'invalid')}" if where else item.get("msg", ""))
-    return ServeError(400, "; ".join(parts) or "invalid request").response()
+    for item in items[:5]:
+        where = _location(item)
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's
+        parts.append(f"{where}: {message}" if where else message)
+    param = _param(items[0]) if items else None
+    return ServeError(400, "; ".join(parts) or "invalid request", param=param).response()
+
+
+def _param(item: dict[str, Any]) -> str | None:
+    """The request field a validation error is about: its own ``param`` (a body-wide check
+    names the field it refuses), else where it is."""
+    ctx = item.get("ctx") or {}
+    return str(ctx["param"]) if "param" in ctx else _location(item)
+
+
+def _location(item: dict[str, Any]) -> str | None:
+    """Where in the body a validation error is, as OpenAI names it: ``messages[0].content``."""
+    path = ""
+    for i, part in enumerate(item.get("loc", ())):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif i == 0 and part == "body":
+            continue
+        elif isinstance(part, str) and part.isidentifier():
+            path += f".{part}" if path else part
+        else:  # a union's branch, e.g. "function-after[check_unicode(), str]"
+            break
+    return path or None

@@ -8,8 +8,9 @@ Every generation request may carry a ``chunkcache`` object (with the ``openai`` 
      "policy": "cacheblend", "recompute_ratio": 0.15, "conversation_id": "user-42"}
 
 A chunk without ``id`` gets its content hash, as the retrievers compute it.  Fields
-OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, ...) are refused
-with a 400 rather than silently ignored; other unknown fields are ignored.  A null
+OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, content parts other
+than text, ...) are refused with a 400 naming the field (the error's ``param``) rather than
+silently ignored; other unknown fields (``user``, a message's ``name``...) are ignored.  A null
 ``temperature``, ``top_p``, ``n``, ``stream`` or ``chunkcache`` means its default, as
 OpenAI reads it; ``stop`` takes at most 16 strings; ``temperature`` is any finite number
 >= 0 (OpenAI caps it at 2; :class:`~chunkcache.core.generation.SamplingParams` does not).
@@ -19,7 +20,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from chunkcache.core.chunk_ids import check_unicode, chunk_id
 from chunkcache.core.generation import Policy
@@ -31,6 +41,7 @@ MAX_CHUNKS_PER_REQUEST = 10_000
 MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
+StopString = Annotated[str, StringConstraints(min_length=1), AfterValidator(check_unicode)]
 # Present and not null/false/empty: the request asks for something this server cannot do.
 UNSUPPORTED = (
     "tools",
@@ -80,22 +91,80 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _refusal(*fields: str) -> PydanticCustomError:
+    """The validation error of a request asking for what this server cannot do; the first
+    field becomes the error's ``param``."""
+    return PydanticCustomError(
+        "unsupported",
+        "unsupported by chunkcache serve: {fields}",
+        {"fields": ", ".join(fields), "param": fields[0]},
+    )
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: Text
 
 
+def _text_part(part: Any) -> Any:
+    """A part that is not text, refused by its type (the error names its index)."""
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind != "text":
+        raise PydanticCustomError(
+            "unsupported",
+            "only text content parts are supported by chunkcache serve, not {kind}",
+            {"kind": repr(kind)},
+        )
+    return part
+
+
+def _as_parts(content: Any) -> Any:
+    """String content as one text part.  Checked here, not by a union of the two, whose
+    error lists every branch's failure."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": check_unicode(content)}]
+    if not isinstance(content, list):
+        raise PydanticCustomError(
+            "content_type", "content must be a string or a list of text parts"
+        )
+    return content
+
+
 class ChatMessage(BaseModel):
-    """A chat message with text content (a string or text parts)."""
+    """A chat message with text content (a string or text parts).  Its ``name`` is ignored,
+    as chat templates ignore it."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: Annotated[
+        list[Annotated[TextPart, BeforeValidator(_text_part)]], BeforeValidator(_as_parts)
+    ]
 
     def as_dict(self) -> dict[str, str]:
         """``role``/``content`` for the chat template (``developer`` is a system message)."""
-        content = self.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        text = "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+def _stop_list(stop: Any) -> Any:
+    """``stop`` as a list: one string, a list of them, or null (none)."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """The one prompt string of a text completion (a list of one string is one)."""
+    if not isinstance(prompt, list):
+        return prompt
+    if any(not isinstance(p, str) for p in prompt):
+        raise PydanticCustomError(
+            "unsupported", "token ids are not supported by chunkcache serve: send the text"
+        )
+    if len(prompt) != 1:
+        raise PydanticCustomError(
+            "unsupported", "must be one string (batched prompts are not supported)"
+        )
+    return prompt[0]
 
 
 # OpenAI's API takes null for these as "the default" (the openai client sends
@@ -115,8 +184,10 @@ class GenerationBody(BaseModel):
     # (a large one samples near uniformly), so HttpBackend runs what LocalBackend runs.
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = None
+    stop: Annotated[list[StopString], BeforeValidator(_stop_list)] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # what SamplingParams takes
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -132,21 +203,43 @@ class GenerationBody(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> GenerationBody:
+        asked = self.unsupported_fields()
+        if asked:
+            raise _refusal(*asked)
+        caps = (self.max_tokens, self.max_completion_tokens)
+        if None not in caps and caps[0] != caps[1]:
+            # Servers differ on which wins (vLLM: max_completion_tokens): not silently one.
+            raise PydanticCustomError(
+                "conflict",
+                "max_tokens {max_tokens} and max_completion_tokens {max_completion_tokens} "
+                "differ: set one of them",
+                {
+                    "max_tokens": caps[0],
+                    "max_completion_tokens": caps[1],
+                    "param": "max_completion_tokens",
+                },
+            )
+        return self
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields of this body that ask for what the engine cannot do."""
         extra = self.model_extra or {}
         asked = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {})]
-        if asked:
-            raise ValueError(f"unsupported by chunkcache serve: {', '.join(asked)}")
         if extra.get("response_format") not in (None, {"type": "text"}):
-            raise ValueError("unsupported by chunkcache serve: response_format")
+            asked.append("response_format")
         if extra.get("best_of") not in (None, 1):  # completions' default is 1
-            raise ValueError("unsupported by chunkcache serve: best_of")
-        return self
+            asked.append("best_of")
+        return asked
+
+    def max_tokens_field(self) -> str:
+        """The name of the field that set the cap: ``max_completion_tokens`` or ``max_tokens``."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
     def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return list(self.stop)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -157,14 +250,15 @@ class ChatCompletionBody(GenerationBody):
 
 
 class CompletionBody(GenerationBody):
-    prompt: Text | list[Text]
+    prompt: Annotated[Text, BeforeValidator(_one_prompt)]
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise ValueError("prompt must be one string (batched prompts are not supported)")
-        return self.prompt[0]
+    def unsupported_fields(self) -> list[str]:
+        asked = super().unsupported_fields()
+        # A count here, not chat's bool: 0 asks for the chosen tokens' logprobs.
+        logprobs = (self.model_extra or {}).get("logprobs")
+        if "logprobs" not in asked and logprobs == 0 and logprobs is not False:
+            asked.append("logprobs")
+        return asked
 
 
 class ChunksBody(BaseModel):
@@ -183,6 +277,8 @@ class RenderBody(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-def error_body(message: str, type_: str, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object (``param``: the request field at fault, when one is)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

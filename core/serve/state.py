@@ -9,16 +9,17 @@ live gauges for ``/metrics``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.generation import DEFAULT_POLICY, DEFAULT_RECOMPUTE_RATIO, Backend
 from chunkcache.core.generation import GenerationRequest as EngineRequest
 from chunkcache.core.prompting import backend_model_name, build_request
-from chunkcache.core.serve.errors import ServeError
+from chunkcache.core.serve.errors import ServeError, template_refusal
 from chunkcache.core.serve.metrics import ServeMetrics
 from chunkcache.core.serve.runner import Runner
-from chunkcache.core.serve.schemas import GenerationBody
+from chunkcache.core.serve.schemas import ChatMessage, GenerationBody
 from chunkcache.core.serve.settings import ServeSettings
 
 
@@ -44,6 +45,26 @@ class ServeState:
         )
         self.started = time.time()
 
+    def check_model(self, model: str) -> None:
+        """A 404 ServeError unless ``model`` is the one served."""
+        if model != self.model_name:
+            raise ServeError(
+                404,
+                f"model {model!r} is not served here; this server runs {self.model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        """The model's chat template applied to ``messages``; a 400 when it refuses them."""
+        try:
+            return self.backend.render_chat([m.as_dict() for m in messages])
+        except Exception as error:
+            refusal = template_refusal(error)
+            if refusal is None:
+                raise
+            raise refusal from error
+
     def request_for(self, body: GenerationBody, prompt: str) -> EngineRequest:
         """The engine request for ``body`` and its prompt text; ServeError when over a limit.
 
@@ -51,12 +72,7 @@ class ServeState:
         tokenizes the prompt anyway, cuts it to the room the prompt leaves in the context
         window (as OpenAI does), and refuses a prompt that leaves none."""
         limits = self.settings
-        if body.model != self.model_name:
-            raise ServeError(
-                404,
-                f"model {body.model!r} is not served here; this server runs {self.model_name!r}",
-                code="model_not_found",
-            )
+        self.check_model(body.model)
         if len(prompt) > limits.max_prompt_chars:
             raise ServeError(
                 400,
@@ -66,10 +82,12 @@ class ServeState:
             )
         max_tokens = body.requested_max_tokens()
         if max_tokens is not None and max_tokens > limits.max_tokens_limit:
+            field = body.max_tokens_field()
             raise ServeError(
                 400,
-                f"max_tokens {max_tokens} is over this server's limit of {limits.max_tokens_limit}",
+                f"{field} {max_tokens} is over this server's limit of {limits.max_tokens_limit}",
                 code="max_tokens_too_large",
+                param=field,
             )
         options = body.chunkcache
         chunks = [c.pair() for c in options.chunks] if options.chunks is not None else None
