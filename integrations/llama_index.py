@@ -11,11 +11,12 @@ reuse is :class:`chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine`.
 >>> nodes[0].node.metadata["chunk_id"]  # doctest: +SKIP
 '3f0c...'
 
-Each returned node is a copy; its metadata gains ``chunk_id``, ``retriever_rank``
-(rank among the distinct chunks the base retriever returned) and, with
-``dedupe="mark"``, ``seen_in_conversation``.  These keys are added to the node's
-``excluded_llm_metadata_keys`` and ``excluded_embed_metadata_keys``: they change
-from request to request, and text that changes next to a chunk costs its reuse.
+Each returned node is a copy; its metadata gains ``chunk_id`` (the id of the node's
+text without the whitespace around it, which LlamaIndex strips when it puts a node in a
+prompt), ``retriever_rank`` (rank among the distinct chunks the base retriever
+returned) and, with ``dedupe="mark"``, ``seen_in_conversation``.  These keys are added
+to the node's ``excluded_llm_metadata_keys`` and ``excluded_embed_metadata_keys``: they
+change from request to request, and text that changes next to a chunk costs its reuse.
 The node keeps its own ``id_`` (LlamaIndex always assigns one, and docstores and
 relationships refer to it); the chunk id lives in the metadata only.
 
@@ -42,7 +43,7 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY, chunk_id_for
@@ -54,7 +55,7 @@ from chunkcache.integrations.llama_index_fields import (
     ConversationIdField,
     optional_conversation_id,
 )
-from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
+from chunkcache.integrations.llama_index_llm import ChunkCacheLLM, node_text
 
 __all__ = ["ChunkCacheLLM", "ChunkCachePostprocessor", "ChunkCacheRetriever", "plan_nodes"]
 
@@ -76,14 +77,15 @@ def plan_nodes(
 ) -> list[NodeWithScore]:
     """Copies of ``nodes`` (in retriever rank order) as :func:`plan_retrieval` arranges them.
 
-    Ids are computed on the node's bare content (``MetadataMode.NONE``), the text
-    the LLM side looks for in prompts.  Nodes sharing a chunk id collapse to the
+    Ids are computed on the node's bare content without the whitespace around it
+    (:func:`~chunkcache.integrations.llama_index_llm.node_text`), the text the LLM side
+    looks for in prompts.  Nodes sharing a chunk id collapse to the
     best-ranked one; empty nodes are left out; scores are kept.  Called while a
     wrapper on ``cache`` retrieves (nested in it), it returns ``nodes`` as they are:
     that wrapper plans the request.
     """
     plan = plan_retrieval(
-        [(n.node.get_content(metadata_mode=MetadataMode.NONE), n.node.metadata) for n in nodes],
+        [(node_text(n.node), n.node.metadata) for n in nodes],
         cache,
         conversation_id=conversation_id,
         ordering=ordering,
@@ -128,8 +130,7 @@ def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:
 
 def _chunk_id(node: BaseNode, cache: ChunkCache) -> str:
     """The id :func:`plan_nodes` gives ``node`` on ``cache``."""
-    text = node.get_content(metadata_mode=MetadataMode.NONE)
-    return chunk_id_for(text, node.metadata, cache.namespace)
+    return chunk_id_for(node_text(node), node.metadata, cache.namespace)
 
 
 def _union(keys: list[str], added: dict[str, Any]) -> list[str]:
@@ -153,7 +154,10 @@ class ChunkCacheRetriever(BaseRetriever):
     Wrapping a retriever that already is (or contains) a wrapper on the same cache is
     safe: the outermost wrapper plans each request once (with its own conversation id,
     else the inner one's), the inner ones pass their base's nodes through (see
-    :mod:`chunkcache.core.retrieval`).
+    :mod:`chunkcache.core.retrieval`).  So wrap a ``QueryFusionRetriever`` itself: it
+    merges its sub-retrievers' nodes by hash, which covers the metadata a wrapper adds,
+    so a chunk that wrapped sub-retrievers alone returned at different ranks comes out
+    twice (a :class:`ChunkCachePostprocessor` then sends it once).
 
     >>> retriever = ChunkCacheRetriever(base, ordering="frequency")  # doctest: +SKIP
     >>> retriever.for_conversation("user-42").retrieve("What is json.dumps?")  # doctest: +SKIP
@@ -232,8 +236,9 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     Place it last, so the nodes it orders are the ones the prompt gets.
 
     Behind a :class:`ChunkCacheRetriever` on the same cache (in one query engine), the
-    retriever has planned the request: the nodes it returned pass through as they come,
-    so the request is neither counted twice nor dropped as "already sent".  Nodes added
+    retriever has planned the request: the nodes it returned pass through as they come
+    (a chunk two such retrievers returned, once), so the request is neither counted
+    twice nor dropped as "already sent".  Nodes added
     since (e.g. by ``PrevNextNodePostprocessor``) are planned as a request of their own
     and follow them, less those repeating a chunk already among them.
     """
@@ -254,16 +259,20 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
-        planned: list[NodeWithScore] = []
+        planned: dict[str, NodeWithScore] = {}
         others: list[NodeWithScore] = []
         for n in nodes:
-            (planned if _was_planned(n.node, self.cache) else others).append(n)
+            if _was_planned(n.node, self.cache):
+                # Two wrapped retrievers' copies of a chunk (under a QueryFusionRetriever,
+                # which merges by hash, metadata included) go into the prompt once.
+                planned.setdefault(n.node.metadata[CHUNK_ID_METADATA_KEY], n)
+            else:
+                others.append(n)
         if planned:  # behind a ChunkCacheRetriever on this cache: only the others are new
-            sent = {n.node.metadata[CHUNK_ID_METADATA_KEY] for n in planned}
-            others = [n for n in others if _chunk_id(n.node, self.cache) not in sent]
+            others = [n for n in others if _chunk_id(n.node, self.cache) not in planned]
             if not others:
-                return planned
-        return planned + plan_nodes(
+                return list(planned.values())
+        return list(planned.values()) + plan_nodes(
             others,
             self.cache,
             conversation_id=self.conversation_id,

@@ -190,7 +190,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
             cache=cache,
             ordering=ordering,
             dedupe=dedupe,
-            conversation_id=conversation_id or uuid.uuid4().hex,
+            conversation_id=uuid.uuid4().hex if conversation_id is None else conversation_id,
         )
         return cls(
             wrapped,

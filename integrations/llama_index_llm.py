@@ -95,7 +95,7 @@ from chunkcache.integrations.llama_index_fields import (
 )
 from chunkcache.integrations.llama_index_tokens import model_prompt_helper, refusal_explained
 
-__all__ = ["ChunkCacheLLM"]
+__all__ = ["ChunkCacheLLM", "node_text"]
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -360,6 +360,14 @@ def _chat_message(message: ChatMessage) -> dict[str, str]:
     return {"role": role, "content": message.content or ""}
 
 
+def node_text(node: BaseNode) -> str:
+    """The text of ``node`` a LlamaIndex prompt holds, the text its chunk id is computed on:
+    its bare content (``MetadataMode.NONE``) without the whitespace around it, which
+    LlamaIndex strips when it renders a node with its metadata and when a response
+    synthesizer packs nodes into a prompt (``PromptHelper.repack``)."""
+    return node.get_content(metadata_mode=MetadataMode.NONE).strip()
+
+
 def _has_chat_template(backend: Backend) -> bool:
     """False for a backend whose tokenizer has no chat template (a base model), True
     otherwise (a server without a tokenizer here applies its own template)."""
@@ -378,7 +386,7 @@ def _chunk_pairs(
     for chunk in chunks:
         node = chunk.node if isinstance(chunk, NodeWithScore) else chunk
         if isinstance(node, BaseNode):
-            text = node.get_content(metadata_mode=MetadataMode.NONE)
+            text = node_text(node)
             pairs.append((chunk_id_for(text, node.metadata, namespace), text))
         else:
             pairs.append(node)
