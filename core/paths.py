@@ -31,7 +31,22 @@ def home_subdir(name: str) -> Path:
     return _make_dir(chunkcache_home() / name)
 
 
+def is_utf8(path: Path) -> bool:
+    """Whether ``path`` is valid UTF-8, as safetensors and tokenizers need: bytes that are
+    not reach Python as surrogates, and those libraries refuse the path."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _make_dir(path: Path) -> Path:
+    if not is_utf8(path):  # the model files there could be neither read nor written
+        raise CacheHomeError(
+            f"cannot use {str(path)!a} for chunkcache's files (not valid UTF-8): set "
+            "CHUNKCACHE_HOME to a writable directory whose path is UTF-8"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
