@@ -359,6 +359,21 @@ def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return [{"role": _role(m), "content": _text(m)} for m in messages]
 
 
+# A ChatMessage's free-form role, in the chat template's three: the names other providers
+# give the same turns (OpenAI's developer, Cohere's chatbot, Gemini's model), as
+# langchain-core's convert_to_messages reads them.
+_CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "ai": "assistant",
+    "chatbot": "assistant",
+    "model": "assistant",
+}
+
+
 def _role(message: BaseMessage) -> str:
     if isinstance(message, SystemMessage):
         return "system"
@@ -366,10 +381,15 @@ def _role(message: BaseMessage) -> str:
         return "user"
     if isinstance(message, AIMessage) and not message.tool_calls:
         return "assistant"
-    if isinstance(message, ChatMessage) and message.role in ("system", "user", "assistant"):
-        return message.role
+    if isinstance(message, ChatMessage) and message.role in _CHAT_ROLES:
+        return _CHAT_ROLES[message.role]
+    what = (
+        f"message of role {message.role!r}"
+        if isinstance(message, ChatMessage)
+        else f"{message.type!r} message"
+    )
     raise ValueError(
-        f"ChunkCacheLLM cannot send a {message.type!r} message"
+        f"ChunkCacheLLM cannot send a {what}"
         f"{' with tool calls' if isinstance(message, AIMessage) else ''}: "
         "it supports system, user and assistant text messages (no tool calling)"
     )

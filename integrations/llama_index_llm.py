@@ -51,6 +51,7 @@ from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
 )
 from llama_index.core.base.llms.types import (
+    CachePoint,
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -97,10 +98,16 @@ from chunkcache.integrations.llama_index_tokens import model_prompt_helper, refu
 
 __all__ = ["ChunkCacheLLM", "node_text"]
 
+# The chat template's role for each LlamaIndex text role: ``developer`` is OpenAI's name
+# for system (our server maps it so too); ``chatbot`` (Cohere) and ``model`` (Gemini) name
+# the assistant's turn.  Tool and function messages have none: refused.
 _ROLES = {
     MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "system",
     MessageRole.USER: "user",
     MessageRole.ASSISTANT: "assistant",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
 }
 
 ChunkLike = BaseNode | NodeWithScore | tuple[str, str]
@@ -355,7 +362,9 @@ def _chat_message(message: ChatMessage) -> dict[str, str]:
             "it supports system, user and assistant text messages (no tool calling)"
         )
     for block in message.blocks:
-        if not isinstance(block, TextBlock):
+        # A CachePoint marks where a provider should cache the prompt up to; it holds no
+        # text, and the engine caches every prompt on its own.
+        if not isinstance(block, TextBlock | CachePoint):
             raise ValueError(f"ChunkCacheLLM takes text only, got a {block.block_type!r} block")
     return {"role": role, "content": message.content or ""}
 

@@ -10,7 +10,13 @@ from fake_backend import FakeBackend, GatedBackend
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.chat_history import InMemoryChatMessageHistory
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableLambda, RunnablePassthrough
@@ -244,6 +250,28 @@ def test_messages_render_with_their_roles_and_text_blocks() -> None:
             {"role": "user", "content": "q"},
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("role", "sent_as"),
+    [("developer", "system"), ("human", "user"), ("ai", "assistant"), ("model", "assistant")],
+)
+def test_chat_messages_of_other_providers_roles_are_sent_as_their_turn(
+    role: str, sent_as: str
+) -> None:
+    llm = make_llm()
+    llm.invoke([ChatMessage(role=role, content="x"), HumanMessage("q")])
+    (segment,) = backend_of(llm).requests[-1].segments
+    assert segment.text == FakeBackend().render_chat(
+        [{"role": sent_as, "content": "x"}, {"role": "user", "content": "q"}]
+    )
+
+
+def test_a_chat_message_of_an_unknown_role_is_refused_by_its_role() -> None:
+    llm = make_llm()
+    with pytest.raises(ValueError, match="message of role 'narrator'"):
+        llm.invoke([ChatMessage(role="narrator", content="x")])
+    assert backend_of(llm).requests == []
 
 
 def test_images_tools_and_unknown_options_are_refused() -> None:
