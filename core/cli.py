@@ -88,17 +88,11 @@ def _warm(args: argparse.Namespace) -> None:
 
 def _store_settings(config: Path | None) -> StoreSettings:
     """The store settings, read from ``config`` if given, else from the file
-    ``CHUNKCACHE_STORE_CONFIG`` names if set (either named when it does not parse)."""
-    import json
-    import tomllib
-
+    ``CHUNKCACHE_STORE_CONFIG`` names if set (a UsageError naming either when it cannot be
+    read as settings)."""
     from chunkcache.core.store.settings import StoreSettings
 
-    try:
-        return StoreSettings() if config is None else StoreSettings.from_file(config)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        where = config or f"CHUNKCACHE_STORE_CONFIG={os.environ.get('CHUNKCACHE_STORE_CONFIG')}"
-        raise UsageError(f"{where}: {error}") from error
+    return StoreSettings() if config is None else StoreSettings.from_file(config)
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):

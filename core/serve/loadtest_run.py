@@ -19,6 +19,8 @@ import httpx
 
 from chunkcache.core.bench.cli import POSITIVE, positive_float, report_dir
 from chunkcache.core.bench.report import environment, percentile, write_report
+from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.json_shapes import clip, json_object
 from chunkcache.core.serve.loadtest import (
     LoadTest,
     LoadTestConfig,
@@ -26,6 +28,7 @@ from chunkcache.core.serve.loadtest import (
     check,
     server_counters,
 )
+from chunkcache.core.urls import server_root
 
 MiB = 2**20
 FLAT_SHARE = 0.05  # resident memory "flat": grew by less than 5% (or 32 MiB) after warm-up
@@ -36,7 +39,7 @@ FLAT_MIB = 32
 def _server(config: LoadTestConfig) -> Iterator[tuple[str, int | None]]:
     """The server under test: ``config.url``, or a fresh one with a throwaway store."""
     if config.url is not None:
-        yield config.url.rstrip("/"), None
+        yield server_root(config.url), None
         return
     from chunkcache.core.serve.launcher import serve_process
 
@@ -56,7 +59,7 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
 
     chunks = [c.text for c in load_corpus(max_chunks=config.pool)]
     with _server(config) as (url, pid):
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = _first_model(url)
         test = LoadTest(config, url, chunks, model)
         before = server_counters(url)
         sampler = MemorySampler(pid) if pid is not None else contextlib.nullcontext()
@@ -72,6 +75,24 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
     if config.out is not None:
         write_report(config.out, config.name, results, markdown(results))
     return results
+
+
+def _first_model(url: str) -> str:
+    """The id of the first model the server at ``url`` serves; a
+    :class:`BackendUnavailableError` naming ``url`` when it cannot tell."""
+    server, where = f"the server at {url}", "GET /v1/models"
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=10)
+    except httpx.HTTPError as error:
+        raise BackendUnavailableError(f"{server} is unreachable: {error}") from None
+    if response.status_code != 200:
+        raise BackendUnavailableError(
+            f"{server} answered {where} with {response.status_code}: {response.text[:200]!r}"
+        )
+    models = json_object(response.text, where, server, data=list)["data"]
+    if not models or not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):
+        raise BackendUnavailableError(f"{server} answered {where} with no model: {clip(models)}")
+    return str(models[0]["id"])
 
 
 def summarize_run(
@@ -197,6 +218,15 @@ def _zero_or_positive(text: str) -> float:
     return positive_float(text)
 
 
+def _server_url(text: str) -> str:
+    """An argparse ``type``: a server's http(s) URL, with or without its ``/v1``
+    (:func:`~chunkcache.core.urls.server_root`), checked before the run starts."""
+    try:
+        return server_root(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_bench_serve_parser(bench: Any) -> None:
     """Add ``serve`` to ``chunkcache bench``'s subcommands."""
     parser = bench.add_parser("serve", help="load test of chunkcache serve over loopback")
@@ -209,7 +239,9 @@ def add_bench_serve_parser(bench: Any) -> None:
         "--warmup", type=_zero_or_positive, default=defaults.warmup_s, help="seconds (0: none)"
     )
     parser.add_argument("--max-tokens", type=POSITIVE, default=defaults.max_tokens)
-    parser.add_argument("--url", help="test this running server instead of starting one")
+    parser.add_argument(
+        "--url", type=_server_url, help="test this running server instead of starting one"
+    )
     parser.add_argument("--out", type=report_dir, default=str(defaults.out))
     parser.set_defaults(run=_bench_serve)
 

@@ -5,7 +5,9 @@ Values come from, highest first: keyword arguments, environment variables
 JSON file (``StoreSettings.from_file(path)``, or the file named by
 ``CHUNKCACHE_STORE_CONFIG``), then the defaults below.  A capacity of 0 turns its tier off.
 A ``CHUNKCACHE_STORE_*`` variable that names no field (a misspelt ``DISK_DIR`` would
-otherwise put the cache elsewhere) is refused with :class:`~chunkcache.core.errors.UsageError`.
+otherwise put the cache elsewhere) is refused with :class:`~chunkcache.core.errors.UsageError`,
+as are a settings file that does not parse or holds no table of settings, and a ``redis_url``
+redis-py would refuse only when the tier connects.
 
 Example ``store.toml``::
 
@@ -18,17 +20,19 @@ Example ``store.toml``::
 from __future__ import annotations
 
 import contextvars
+import json
 import os
+import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field
 from pydantic_settings import (
     BaseSettings,
-    JsonConfigSettingsSource,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from chunkcache.core.env_settings import CheckedEnvSettings
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from chunkcache.core.store.tier import Tier
 
 GiB = 2**30
+REDIS_URL_ENV = "CHUNKCACHE_STORE_REDIS_URL"
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "chunkcache_store_config", default=None
 )
@@ -74,6 +79,18 @@ class StoreSettings(CheckedEnvSettings):
         "processes and the next start see them",
     )
 
+    if not TYPE_CHECKING:  # type checkers keep the __init__ typed by the fields
+
+        def __init__(self, **values: Any) -> None:
+            """``values`` over the environment over the file over the defaults;
+            :class:`UsageError` for an unknown ``CHUNKCACHE_STORE_*`` variable, a settings
+            file that cannot be read as settings, or a malformed ``redis_url``."""
+            super().__init__(**values)
+            # Checked here, not in a validator: pydantic's error would quote the URL's
+            # password.
+            if self.redis_url:
+                _check_redis_url(self.redis_url)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -84,16 +101,14 @@ class StoreSettings(CheckedEnvSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources = [init_settings, env_settings]
-        path = _config_file.get()
+        path, where = _config_file.get(), None
         if path is None and os.environ.get("CHUNKCACHE_STORE_CONFIG"):
             path = Path(os.environ["CHUNKCACHE_STORE_CONFIG"])
+            where = f"CHUNKCACHE_STORE_CONFIG={path}"
             if not path.is_file():  # read as no file at all, its settings silently lost
-                raise UsageError(f"CHUNKCACHE_STORE_CONFIG={path}: not a file")
+                raise UsageError(f"{where}: not a file")
         if path is not None:
-            if path.suffix == ".json":
-                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
-            else:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            sources.append(InitSettingsSource(settings_cls, _read_config(path, where or path)))
         return tuple(sources)
 
     @classmethod
@@ -117,6 +132,54 @@ class StoreSettings(CheckedEnvSettings):
         return home_subdir("kv")
 
 
+def _read_config(path: Path, where: str | Path) -> dict[str, Any]:
+    """The settings in the ``.json`` (else TOML) file ``path``; :class:`UsageError` naming
+    ``where`` (the file, or the variable naming it) when they cannot be read."""
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".json":
+            text = data.decode()
+            values = json.loads(text) if text.strip() else {}  # empty, as an empty TOML file
+        else:
+            values = tomllib.loads(data.decode())
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{where}: not UTF-8 (byte {error.start + 1})") from None
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+        raise UsageError(f"{where}: {error}") from None
+    except OSError as error:
+        raise UsageError(f"{where}: {error.strerror}") from None
+    if not isinstance(values, dict):
+        raise UsageError(
+            f'{where}: expected an object of settings (e.g. {{"host_bytes": 1000}}), '
+            f"got {type(values).__name__}"
+        )
+    return values
+
+
+def _check_redis_url(url: str) -> None:
+    """:class:`UsageError` unless redis-py can connect to ``url``; the message never quotes
+    it, which may hold a password."""
+    name = f"redis_url ({REDIS_URL_ENV})"
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(
+            f"{name} must start with redis://, rediss:// or unix://, like redis://localhost:6379/0"
+        )
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = 0
+    if port == 0:  # redis-py takes port 0 as no port at all: 6379
+        raise UsageError(f"{name} has a port that is not a number in 1-65535")
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # build_tiers says how to install it
+        return
+    try:
+        parse_url(url)  # its query options (db=, timeout=, ...)
+    except ValueError as error:
+        raise UsageError(f"{name}: {error}") from None
+
+
 def build_tiers(settings: StoreSettings) -> list[Tier]:
     """The tiers ``settings`` turn on, fastest first: device (CUDA only), host, disk, Redis."""
     import torch
@@ -132,8 +195,14 @@ def build_tiers(settings: StoreSettings) -> list[Tier]:
     if settings.disk_bytes:
         tiers.append(DiskTier(settings.resolved_disk_dir(), settings.disk_bytes))
     if settings.redis_url and settings.redis_bytes:
-        from chunkcache.core.store.redis_tier import RedisTier
-
+        try:
+            from chunkcache.core.store.redis_tier import RedisTier
+        except ModuleNotFoundError as error:
+            if error.name != "redis":
+                raise
+            raise UsageError(
+                f"{REDIS_URL_ENV} needs redis-py: pip install 'chunkcache[redis]'"
+            ) from None
         tiers.append(
             RedisTier(
                 settings.redis_url,
