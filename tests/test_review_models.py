@@ -127,6 +127,14 @@ def _damage(target: Path, kind: str) -> None:
     elif kind == "a file":
         shutil.rmtree(target)
         target.write_text("x")
+    elif kind == "config not an object":
+        (target / "config.json").write_text("[]")
+    elif kind == "config without model_type":
+        (target / "config.json").write_text("{}")
+    elif kind == "truncated generation config":
+        (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos')
+    elif kind == "no generation config":  # loads, but with other EOS ids
+        (target / "generation_config.json").unlink()
 
 
 DAMAGE = (
@@ -138,6 +146,10 @@ DAMAGE = (
     "empty tokenizer",
     "no chat template",
     "a file",
+    "config not an object",
+    "config without model_type",
+    "truncated generation config",
+    "no generation config",
 )
 
 
