@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
+import pytest
 from fake_backend import FakeBackend
+from pydantic import SecretStr
 
-from chunkcache.core.serve import create_app
+from chunkcache.core.errors import BackendUnavailableError
+from chunkcache.core.serve import ServeSettings, create_app
 from chunkcache.core.serve.launcher import serve_app
 from chunkcache.core.serve.loadtest import LoadTest, LoadTestConfig, Outcome, check, server_counters
-from chunkcache.core.serve.loadtest_run import MiB, markdown, memory, summarize_run
+from chunkcache.core.serve.loadtest_run import (
+    MiB,
+    markdown,
+    memory,
+    run_loadtest,
+    summarize_run,
+)
 
 CHUNKS = [
     f"Chunk number {i} says something long enough to be matched as a chunk." for i in range(4)
@@ -71,3 +81,23 @@ def test_a_short_run_against_a_fake_server() -> None:
     assert results["throughput"]["requests_per_s"] > 0
     results["command"] = "chunkcache bench serve"
     assert "**pass**" in markdown(results)
+
+
+def test_a_server_with_an_api_key_is_load_tested_with_the_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key comes from CHUNKCACHE_SERVE_API_KEY (what the server reads), never from the
+    command line, and the report does not hold it."""
+    key = "s3cret-load-test-key"
+    app = create_app(FakeBackend(), ServeSettings(api_key=SecretStr(key)))
+    with serve_app(app) as url:
+        config = LoadTestConfig(
+            clients=2, warmup_s=0.2, duration_s=0.5, max_tokens=3, pool=4, url=url, out=None
+        )
+        with pytest.raises(BackendUnavailableError, match="answered GET /v1/models with 401"):
+            run_loadtest(config, "chunkcache bench serve")  # no key
+        monkeypatch.setenv("CHUNKCACHE_SERVE_API_KEY", key)
+        results = run_loadtest(config, "chunkcache bench serve")
+    assert results["ok"], results["counts"]
+    assert results["counts"]["completed"] >= 2
+    assert key not in json.dumps(results)

@@ -74,9 +74,17 @@ class Outcome:
 class LoadTest:
     """Drives ``config.clients`` clients against ``url`` and keeps every outcome."""
 
-    def __init__(self, config: LoadTestConfig, url: str, chunks: list[str], model: str) -> None:
+    def __init__(
+        self,
+        config: LoadTestConfig,
+        url: str,
+        chunks: list[str],
+        model: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.config = config
         self.url = url
+        self.headers = headers or {}  # e.g. the server's API key; not in the report
         self.chunks = chunks
         self.model = model
         self.outcomes: list[Outcome] = []
@@ -108,7 +116,9 @@ class LoadTest:
         deadline = self.measure_from + self.config.duration_s
         limits = httpx.Limits(max_connections=self.config.clients + 4)
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=10.0)
-        async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as http:
+        async with httpx.AsyncClient(
+            base_url=self.url, headers=self.headers, limits=limits, timeout=timeout
+        ) as http:
             await asyncio.gather(
                 *(self._client(http, deadline) for _ in range(self.config.clients))
             )

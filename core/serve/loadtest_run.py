@@ -28,11 +28,12 @@ from chunkcache.core.serve.loadtest import (
     check,
     server_counters,
 )
-from chunkcache.core.urls import server_root
+from chunkcache.core.urls import check_api_key, server_root
 
 MiB = 2**20
 FLAT_SHARE = 0.05  # resident memory "flat": grew by less than 5% (or 32 MiB) after warm-up
 FLAT_MIB = 32
+API_KEY_ENV = "CHUNKCACHE_SERVE_API_KEY"  # the server's key (ServeSettings.api_key)
 
 
 @contextlib.contextmanager
@@ -58,9 +59,10 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
     from chunkcache.core.corpus import load_corpus
 
     chunks = [c.text for c in load_corpus(max_chunks=config.pool)]
+    headers = _auth_headers()
     with _server(config) as (url, pid):
-        model = _first_model(url)
-        test = LoadTest(config, url, chunks, model)
+        model = _first_model(url, headers)
+        test = LoadTest(config, url, chunks, model, headers)
         before = server_counters(url)
         sampler = MemorySampler(pid) if pid is not None else contextlib.nullcontext()
         with sampler:
@@ -77,12 +79,23 @@ def run_loadtest(config: LoadTestConfig, command: str) -> dict[str, Any]:
     return results
 
 
-def _first_model(url: str) -> str:
+def _auth_headers() -> dict[str, str]:
+    """The API key header: ``CHUNKCACHE_SERVE_API_KEY``, the variable the server reads (a
+    server this test starts inherits it), from the environment only, never from the
+    command line, which the report records."""
+    key = os.environ.get(API_KEY_ENV)
+    if not key:
+        return {}
+    check_api_key(key, API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _first_model(url: str, headers: dict[str, str]) -> str:
     """The id of the first model the server at ``url`` serves; a
     :class:`BackendUnavailableError` naming ``url`` when it cannot tell."""
     server, where = f"the server at {url}", "GET /v1/models"
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=10)
+        response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
     except httpx.HTTPError as error:
         raise BackendUnavailableError(f"{server} is unreachable: {error}") from None
     if response.status_code != 200:
