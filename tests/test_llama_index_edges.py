@@ -10,6 +10,7 @@ from llama_index.core.response_synthesizers import ResponseMode
 from llama_index.core.retrievers import BaseRetriever, QueryFusionRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from test_llama_index_llm import TEXTS, backend_of, chunk_ids, make_llm
+from test_llama_index_window import Records
 
 from chunkcache.core import ChunkCache, InvalidConversationIdError, chunk_id
 from chunkcache.integrations.llama_index import ChunkCachePostprocessor, ChunkCacheRetriever
@@ -106,15 +107,6 @@ def test_the_chat_engine_refuses_an_empty_conversation_id() -> None:
         ChunkCacheChatEngine.from_defaults(Padded(), make_llm(), conversation_id="")
 
 
-class Fixed(BaseRetriever):
-    def __init__(self, texts: list[str]) -> None:
-        super().__init__()
-        self.texts = texts
-
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=text), score=0.5) for text in self.texts]
-
-
 def test_a_chunk_two_wrapped_sub_retrievers_returned_reaches_the_prompt_once() -> None:
     """Fusion merges nodes by hash, which covers the metadata a wrapper adds (its rank):
     a chunk two wrapped sub-retrievers return at different ranks comes out twice."""
@@ -122,8 +114,8 @@ def test_a_chunk_two_wrapped_sub_retrievers_returned_reaches_the_prompt_once() -
     shared, first, second = TEXTS
     fusion = QueryFusionRetriever(
         [
-            ChunkCacheRetriever(Fixed([shared, first]), cache=llm.cache),
-            ChunkCacheRetriever(Fixed([second, shared]), cache=llm.cache, ordering="retriever"),
+            ChunkCacheRetriever(Records([shared, first]), cache=llm.cache),
+            ChunkCacheRetriever(Records([second, shared]), cache=llm.cache, ordering="retriever"),
         ],
         llm=llm,
         num_queries=1,

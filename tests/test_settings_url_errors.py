@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_cli import run
 
-from chunkcache.core.cli import main
 from chunkcache.core.errors import UsageError
 from chunkcache.core.store import TieredKVStore
 from chunkcache.core.store.settings import StoreSettings
@@ -33,13 +33,6 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("chunkcache.core.models.load_model", refuse)
     monkeypatch.setattr("chunkcache.core.serve.server.build_backend", refuse)
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, list[str]]:
-    """``main(argv)``'s exit code and the lines it wrote to stderr."""
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    return exited.value.code, capsys.readouterr().err.splitlines()
 
 
 # CHUNKCACHE_STORE_REDIS_URL ----------------------------------------------------------------
