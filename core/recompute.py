@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from chunkcache.core.model_forward import embed, run_layers
+from chunkcache.core.model_forward import embed, run_layers_to_last
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import (
@@ -174,11 +174,11 @@ def run_rows(
         token_layers += rows.slots.numel()
         schedule.step(layer, rows, LayerRun(lm.decoder.layers[layer], *kv.layer(layer)))
         layer += 1
-    if layer < num_layers:
-        rows.x = run_layers(lm, rows.x, rows.rows, kv, range(layer, num_layers))  # x: [M', E]
-        token_layers += rows.slots.numel() * (num_layers - layer)
-        recomputed = int(rows.is_reused.sum())
-    return RecomputeResult(rows.x[-1], recomputed, token_layers)
+    if layer == num_layers:
+        return RecomputeResult(rows.x[-1], recomputed, token_layers)
+    last = run_layers_to_last(lm, rows.x, rows.rows, kv, layer)  # last: [E]
+    token_layers += rows.slots.numel() * (num_layers - layer)
+    return RecomputeResult(last, int(rows.is_reused.sum()), token_layers)
 
 
 class GradualFilter:

@@ -6,7 +6,13 @@ import pytest
 import torch
 from tiny_models import KINDS, tiny_hf_model, tiny_lm, token_ids
 
-from chunkcache.core.model_forward import embed, last_logits, prefill, run_layers
+from chunkcache.core.model_forward import (
+    embed,
+    last_logits,
+    prefill,
+    run_layers,
+    run_layers_to_last,
+)
 from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
 from chunkcache.kernels.layer import Rows
@@ -99,6 +105,25 @@ def test_layer_ranges_compose_and_rows_can_shrink_between_them(lm: LoadedModel) 
     keep = torch.tensor([1, 3])  # rows 9 and S - 1 go on
     x = run_layers(lm, x[keep], rows.subset(keep), kv, range(1, lm.spec.num_layers))
     _close(last_logits(lm, x[-1]), full_logits)
+
+
+def test_finishing_only_the_last_row_on_the_last_layer_keeps_every_rows_kv(
+    lm: LoadedModel,
+) -> None:
+    """A prefill reads the last row's output only; every row's K/V must still be written."""
+    ids = token_ids(S)
+    full_logits, full_kv = prefill(lm, ids)
+    kv = SeqKV(full_kv.k.clone(), full_kv.v.clone(), S)
+    rows = Rows.build(torch.tensor([4, 17, 30, S - 1]), S, lm.rope)
+    kv.k[:, :, rows.index] = 0.0  # the rows' own K/V: recomputed on every layer, last too
+    kv.v[:, :, rows.index] = 0.0
+    x = run_layers(lm, embed(lm, ids[rows.index]), rows, kv, range(2))
+    last = run_layers_to_last(lm, x, rows, kv, first=2)  # last: [E]
+    _close(last_logits(lm, last), full_logits)
+    _close(kv.keys(), full_kv.keys())
+    _close(kv.values(), full_kv.values())
+    with pytest.raises(ValueError, match="first must be a layer"):
+        run_layers_to_last(lm, x, rows, kv, first=lm.spec.num_layers)
 
 
 def test_chunk_keys_moved_to_a_new_position_equal_keys_computed_there(lm: LoadedModel) -> None:
