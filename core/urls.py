@@ -17,36 +17,37 @@ from chunkcache.core.errors import UsageError
 __all__ = ["check_api_key", "server_root"]
 
 
-def server_root(base_url: str) -> str:
+def server_root(base_url: str, name: str = "base_url") -> str:
     """``base_url`` without surrounding whitespace, a trailing ``/`` or ``/v1``.
 
-    A ValueError naming it unless it is an http(s) URL with a host (``http:///v1``,
-    ``ftp://host``, ``localhost:8000`` and ``""`` are refused) and nothing the client would
-    send wrongly: whitespace inside, a port outside 1-65535, a query or fragment (the API
-    paths would land inside them), or ``user:password@`` (it would replace the ``api_key``
-    and show in error messages); a TypeError when it is not a string."""
+    A ValueError naming it as ``name`` (the setting or option that gave it) unless it is an
+    http(s) URL with a host (``http:///v1``, ``ftp://host``, ``localhost:8000`` and ``""`` are
+    refused) and nothing the client would send wrongly: whitespace inside, a port outside
+    1-65535, a query or fragment (the API paths would land inside them), or
+    ``user:password@`` (it would replace the ``api_key`` and show in error messages); a
+    TypeError when it is not a string."""
     if not isinstance(base_url, str):
-        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+        raise TypeError(f"{name} must be a str, got {type(base_url).__name__}")
     root = base_url.strip().rstrip("/").removesuffix("/v1")
     try:
         url = httpx.URL(root)
     except httpx.InvalidURL as e:
-        raise ValueError(f"base_url {base_url!r} is not a valid URL: {e}") from None
+        raise ValueError(f"{name} {base_url!r} is not a valid URL: {e}") from None
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(
-            f"base_url must be an http(s) URL with a host, like 'http://127.0.0.1:8000', "
+            f"{name} must be an http(s) URL with a host, like 'http://127.0.0.1:8000', "
             f"got {base_url!r}"
         )
     if any(c.isspace() for c in root):
-        raise ValueError(f"base_url {base_url!r} has whitespace inside it")
+        raise ValueError(f"{name} {base_url!r} has whitespace inside it")
     if url.port is not None and not 1 <= url.port <= 65535:
-        raise ValueError(f"base_url {base_url!r} has a port outside 1-65535")
+        raise ValueError(f"{name} {base_url!r} has a port outside 1-65535")
     if "?" in root or "#" in root:
-        raise ValueError(f"base_url {base_url!r} must not have a query or a fragment")
+        raise ValueError(f"{name} {base_url!r} must not have a query or a fragment")
     if url.userinfo:
         raise ValueError(
-            "base_url must not carry credentials (user:password@); pass api_key instead, "
-            f"got a base_url for host {url.host!r}"
+            f"{name} must not carry credentials (user:password@); pass the API key on its "
+            f"own, got a {name} for host {url.host!r}"
         )
     return root
 

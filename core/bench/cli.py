@@ -34,7 +34,7 @@ def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int
 
 
 POSITIVE = bounded_int(1)
-SEED = bounded_int(0, 2**64 - 1)  # what torch.manual_seed takes (and serve's seed field)
+SEED = bounded_int(0, 2**64 - 1)  # the seeds torch.manual_seed takes that are not negative
 
 
 def positive_float(text: str) -> float:

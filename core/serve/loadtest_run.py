@@ -40,7 +40,7 @@ API_KEY_ENV = "CHUNKCACHE_SERVE_API_KEY"  # the server's key (ServeSettings.api_
 def _server(config: LoadTestConfig) -> Iterator[tuple[str, int | None]]:
     """The server under test: ``config.url``, or a fresh one with a throwaway store."""
     if config.url is not None:
-        yield server_root(config.url), None
+        yield server_root(config.url, name="url"), None
         return
     from chunkcache.core.serve.launcher import serve_process
 
@@ -235,7 +235,7 @@ def _server_url(text: str) -> str:
     """An argparse ``type``: a server's http(s) URL, with or without its ``/v1``
     (:func:`~chunkcache.core.urls.server_root`), checked before the run starts."""
     try:
-        return server_root(text)
+        return server_root(text, name="--url")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

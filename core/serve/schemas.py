@@ -12,8 +12,11 @@ OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, content par
 than text, ...) are refused with a 400 naming the field (the error's ``param``) rather than
 silently ignored; other unknown fields (``user``, a message's ``name``...) are ignored.  A null
 ``temperature``, ``top_p``, ``n``, ``stream`` or ``chunkcache`` means its default, as
-OpenAI reads it; ``stop`` takes at most 16 strings; ``temperature`` is any finite number
->= 0 (OpenAI caps it at 2; :class:`~chunkcache.core.generation.SamplingParams` does not).
+OpenAI reads it; ``stop`` takes at most 16 strings, and an empty one is ignored;
+``temperature`` is any finite number >= 0 (OpenAI caps it at 2;
+:class:`~chunkcache.core.generation.SamplingParams` does not); ``top_p`` 0 is greedy; ``seed``
+is any integer ``torch.Generator.manual_seed`` takes: OpenAI's signed 64-bit range, and up to
+2**64 - 1.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    StringConstraints,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -41,7 +43,10 @@ MAX_CHUNKS_PER_REQUEST = 10_000
 MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
-StopString = Annotated[str, StringConstraints(min_length=1), AfterValidator(check_unicode)]
+StopString = Annotated[str, AfterValidator(check_unicode)]
+# What torch.Generator.manual_seed takes: OpenAI's signed 64-bit seeds, and the unsigned ones
+# SamplingParams takes.  Torch seeds a negative one as seed + 2**64.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Present and not null/false/empty: the request asks for something this server cannot do.
 UNSUPPORTED = (
     "tools",
@@ -152,6 +157,24 @@ def _stop_list(stop: Any) -> Any:
     return [stop] if isinstance(stop, str) else stop
 
 
+def _non_empty(stop: list[str]) -> list[str]:
+    """``stop`` without empty strings: one would match at every position and end every
+    answer before its first token, which no one asks for; it is taken as no stop string."""
+    return [s for s in stop if s]
+
+
+def _check_seed(seed: int | None) -> int | None:
+    """``seed`` if torch can seed with it, else a one-line error giving the range."""
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise PydanticCustomError(
+            "seed_range",
+            "must be an integer from {low} to {high} (a signed 64-bit integer, as OpenAI's, "
+            "or an unsigned one)",
+            {"low": SEED_MIN, "high": SEED_MAX},
+        )
+    return seed
+
+
 def _one_prompt(prompt: Any) -> Any:
     """The one prompt string of a text completion (a list of one string is one)."""
     if not isinstance(prompt, list):
@@ -183,11 +206,11 @@ class GenerationBody(BaseModel):
     # No upper bound, unlike OpenAI's 2: SamplingParams takes any finite temperature >= 0
     # (a large one samples near uniformly), so HttpBackend runs what LocalBackend runs.
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: Annotated[list[StopString], BeforeValidator(_stop_list)] = Field(
-        default_factory=list, max_length=MAX_STOP_STRINGS
+    top_p: float = Field(default=1.0, ge=0, le=1)  # 0: greedy (see sampling())
+    stop: Annotated[list[StopString], BeforeValidator(_stop_list), AfterValidator(_non_empty)] = (
+        Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     )
-    seed: int | None = Field(default=None, ge=0, lt=2**64)  # what SamplingParams takes
+    seed: Annotated[int | None, AfterValidator(_check_seed)] = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -238,8 +261,19 @@ class GenerationBody(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
-    def stops(self) -> list[str]:
-        return list(self.stop)
+    def sampling(self) -> dict[str, Any]:
+        """``temperature``, ``top_p``, ``stop`` and ``seed`` as SamplingParams takes them.
+
+        ``top_p`` 0 (OpenAI takes [0, 1]; SamplingParams and vLLM take (0, 1]) keeps the
+        most likely token alone, the limit of an ever smaller nucleus: greedy decoding.  A
+        negative seed becomes the unsigned one torch seeds the same generator with."""
+        greedy = self.top_p == 0
+        return {
+            "temperature": 0.0 if greedy else self.temperature,
+            "top_p": 1.0 if greedy else self.top_p,
+            "stop": list(self.stop),
+            "seed": None if self.seed is None else self.seed % 2**64,
+        }
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

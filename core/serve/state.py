@@ -103,10 +103,7 @@ class ServeState:
                 else options.recompute_ratio
             ),
             max_tokens=max_tokens or min(limits.default_max_tokens, limits.max_tokens_limit),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stops(),
-            seed=body.seed,
+            **body.sampling(),
             fit_window=max_tokens is None or options.fit_window,
         )
 
