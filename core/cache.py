@@ -135,8 +135,8 @@ class ChunkCache:
         CRAFT §4.2: the access table counts every retrieved chunk; the chunks the
         conversation does not drop (§4.3) are ordered, and the prefix tree
         promotes or extends the chosen order.  ``count_request=False``: the request
-        was counted already (this arranges it again), so the access table and
-        :attr:`num_requests` are left as they are.
+        was counted already (this arranges it again), so the access table,
+        :attr:`num_requests` and the prefix tree's visits are left as they are.
         """
         if isinstance(chunk_ids, str):
             raise TypeError("chunk_ids must be a sequence of chunk ids, not one str")
@@ -154,7 +154,7 @@ class ChunkCache:
                 self.access_table.record(unique)
             order = order_chunks(kept, ordering, self.access_table, self.prefix_tree)
             prefix_length = self.prefix_tree.longest_prefix_length(order)
-            self.prefix_tree.update(order, self.access_table.count)
+            self.prefix_tree.update(order, self.access_table.count, visit=count_request)
         return Arrangement(order=order, dropped=dropped, seen=seen, prefix_length=prefix_length)
 
     def _follow_evictions(self, backend: Backend) -> None:

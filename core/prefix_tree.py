@@ -90,13 +90,17 @@ class ChunkPrefixTree:
     def longest_prefix_length(self, chunk_ids: Sequence[str]) -> int:
         return len(self.match(chunk_ids))
 
-    def update(self, chunk_ids: Sequence[str], count: Callable[[str], int]) -> list[PrefixNode]:
+    def update(
+        self, chunk_ids: Sequence[str], count: Callable[[str], int], *, visit: bool = True
+    ) -> list[PrefixNode]:
         """Record a served request; promote or extend its prefix (CRAFT §4.2, Table Update).
 
         ``count`` gives each chunk's access count *after* this request was
         recorded.  The matched prefix is followed; then each next chunk whose
         count reaches the threshold is inserted as a child, until one does not.
-        Returns the nodes of the request's prefix now in the tree.
+        ``visit=False``: the request was recorded already (it is arranged again), so
+        its nodes' visits are left as they are.  Returns the nodes of the request's
+        prefix now in the tree.
         """
         tick = next(self._clock)
         path: list[PrefixNode] = []
@@ -111,7 +115,7 @@ class ChunkPrefixTree:
                 node.children[cid] = child
                 self._nodes_of_chunk.setdefault(cid, set()).add(child)
                 self.num_nodes += 1
-            child.visits += 1
+            child.visits += visit
             child.last_used = tick
             path.append(child)
             node = child

@@ -50,6 +50,17 @@ def test_a_request_planned_again_is_deduped_but_not_counted_again() -> None:
     assert [cache.access_table.count(cid) for cid in (a, b, c)] == [2, 2, 2]
 
 
+def test_a_request_planned_again_does_not_visit_the_prefix_tree_again() -> None:
+    cache = ChunkCache()
+    for _ in range(2):  # counts reach the promotion threshold: A, B, C is a tree path
+        plan_abc(cache)
+        cache.ledger.replace("chat", [])
+    visits = [node.visits for node in cache.prefix_tree.iter_nodes()]
+    with replanning():
+        plan_abc(cache)
+    assert [node.visits for node in cache.prefix_tree.iter_nodes()] == visits == [1, 1, 1]
+
+
 def counting_arrangements(cache: ChunkCache) -> list[int]:
     """``cache.arrange`` counting its calls: the retrievals planned, re-runs included."""
     calls: list[int] = []
