@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from chunkcache.kernels.attention import (
-    MATMUL_ROWS_PER_BLOCK,
     ROWS_PER_BLOCK,
     RowBlock,
     attention,
@@ -22,6 +21,7 @@ from chunkcache.kernels.attention import (
     blocked_attention,
     causal_blocks,
     causal_mask,
+    rows_per_block,
     tail_attention,
     uses_matmul_attention,
 )
@@ -86,14 +86,12 @@ class Rows:
         # q: [H, N, D]; k, v: [H_kv, S, D] -> [N, H * D]
         first, n = int(self.index[0]), self.index.numel()
         consecutive = int(self.index[-1]) == first + n - 1  # a prefill, on a past if first > 0
-        if uses_matmul_attention(q):
-            blocks = self.blocks(q.shape[0], MATMUL_ROWS_PER_BLOCK)
-            return blocked_attention(q, k, v, blocks, scale)
-        if self.mask is None:
-            return attention(q, k, v, None, scale)
-        if consecutive:
-            return tail_attention(q, k, v, first, scale)
-        return blocked_attention(q, k, v, self.blocks(q.shape[0]), scale)
+        if not uses_matmul_attention(q):
+            if self.mask is None:
+                return attention(q, k, v, None, scale)
+            if consecutive:
+                return tail_attention(q, k, v, first, scale)
+        return blocked_attention(q, k, v, self.blocks(q.shape[0], rows_per_block(q)), scale)
 
 
 def layer_step(layer: Any, x: Tensor, rows: Rows, k: Tensor, v: Tensor) -> Tensor:

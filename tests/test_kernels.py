@@ -15,11 +15,15 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from chunkcache.core.models import rope_from_config
 from chunkcache.kernels import attention as attention_module
 from chunkcache.kernels.attention import (
+    AMX_ROWS_PER_BLOCK,
+    MATMUL_ROWS_PER_BLOCK,
     MAX_BLOCK_SCORES,
+    ROWS_PER_BLOCK,
     attention,
     blocked_attention,
     causal_blocks,
     causal_mask,
+    rows_per_block,
     tail_attention,
     uses_matmul_attention,
 )
@@ -163,6 +167,27 @@ def test_blocks_keep_their_scores_under_the_cap() -> None:
     blocks = causal_blocks(torch.arange(s), None, heads=9)
     assert all(9 * (b.end - b.first) * b.num_keys <= MAX_BLOCK_SCORES for b in blocks)
     assert blocks[0].first == 0 and blocks[-1].end == s
+
+
+@pytest.mark.parametrize(
+    ("amx", "dtype", "size", "num_blocks"),
+    [
+        (True, torch.float32, ROWS_PER_BLOCK, 6),
+        (False, torch.float32, ROWS_PER_BLOCK, 6),
+        (True, torch.bfloat16, AMX_ROWS_PER_BLOCK, 1),
+        (False, torch.bfloat16, MATMUL_ROWS_PER_BLOCK, 1),
+    ],
+)
+def test_scattered_rows_split_into_the_blocks_their_kernel_runs_fastest(
+    amx: bool, dtype: torch.dtype, size: int, num_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bf16 SDPA on AMX: one call for cacheblend's ~200 rows of a ~1,200-token prompt
+    monkeypatch.setattr(attention_module, "cpu_has_amx", lambda: amx)
+    rows = torch.arange(0, 1200, 6)  # 200 scattered rows
+    q = _randn(9, rows.numel(), D, seed=1).to(dtype)
+    assert rows_per_block(q) == size
+    blocks = Rows.build(rows, 1200, _rope("llama")).blocks(9, rows_per_block(q))
+    assert len(blocks) == num_blocks
 
 
 @pytest.mark.parametrize("num_rows", [1, 40, 300])
