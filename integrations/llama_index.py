@@ -20,6 +20,11 @@ change from request to request, and text that changes next to a chunk costs its 
 The node keeps its own ``id_`` (LlamaIndex always assigns one, and docstores and
 relationships refer to it); the chunk id lives in the metadata only.
 
+A node with no text whose metadata LlamaIndex renders into the prompt
+(``MetadataMode.LLM``: a title, a table's caption) is returned too, after the chunks,
+as it came: it has no chunk text, so it gets no chunk id, is not cached or deduped, and
+is sent in every prompt that includes it.  A node with neither is left out.
+
 When is ``dedupe="drop"`` safe?  Dropping a chunk the conversation has already
 seen (CRAFT §4.3) loses nothing only while that chunk is still in the prompt,
 i.e. while every earlier turn's chunks stay in the chat history.  That holds for
@@ -43,7 +48,7 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY, chunk_id_for
@@ -80,12 +85,15 @@ def plan_nodes(
     Ids are computed on the node's bare content without the whitespace around it
     (:func:`~chunkcache.integrations.llama_index_llm.node_text`), the text the LLM side
     looks for in prompts.  Nodes sharing a chunk id collapse to the
-    best-ranked one; empty nodes are left out; scores are kept.  Called while a
+    best-ranked one; scores are kept.  Nodes with no text but LLM metadata follow the
+    chunks, unplanned (see the module docs); empty nodes are left out.  Called while a
     wrapper on ``cache`` retrieves (nested in it), it returns ``nodes`` as they are:
     that wrapper plans the request.
     """
+    metadata_only = [_is_metadata_only(n.node) for n in nodes]
+    chunks = [n for n, only in zip(nodes, metadata_only, strict=True) if not only]
     plan = plan_retrieval(
-        [(node_text(n.node), n.node.metadata) for n in nodes],
+        [(node_text(n.node), n.node.metadata) for n in chunks],
         cache,
         conversation_id=conversation_id,
         ordering=ordering,
@@ -95,7 +103,7 @@ def plan_nodes(
         return list(nodes)
     planned = []
     for chunk in plan.chunks:
-        source = nodes[chunk.source_index]
+        source = chunks[chunk.source_index]
         added: dict[str, Any] = {
             "chunk_id": chunk.chunk_id,
             "retriever_rank": chunk.retriever_rank,
@@ -115,7 +123,13 @@ def plan_nodes(
     with _planned_lock:
         mine = _planned.setdefault(cache, weakref.WeakValueDictionary())
         mine.update((id(n.node), n.node) for n in planned)
-    return planned
+    others = [n for n, only in zip(nodes, metadata_only, strict=True) if only]
+    return planned + [NodeWithScore(node=n.node.model_copy(), score=n.score) for n in others]
+
+
+def _is_metadata_only(node: BaseNode) -> bool:
+    """Whether ``node`` has no text but metadata LlamaIndex puts in a prompt with it."""
+    return not node_text(node) and bool(node.get_content(metadata_mode=MetadataMode.LLM).strip())
 
 
 def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:
@@ -131,6 +145,11 @@ def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:
 def _chunk_id(node: BaseNode, cache: ChunkCache) -> str:
     """The id :func:`plan_nodes` gives ``node`` on ``cache``."""
     return chunk_id_for(node_text(node), node.metadata, cache.namespace)
+
+
+def _repeats(node: BaseNode, chunk_ids: dict[str, Any], cache: ChunkCache) -> bool:
+    """Whether ``node``'s text is one of ``chunk_ids`` (a node without text is no chunk)."""
+    return bool(node_text(node)) and _chunk_id(node, cache) in chunk_ids
 
 
 def _union(keys: list[str], added: dict[str, Any]) -> list[str]:
@@ -269,7 +288,7 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
             else:
                 others.append(n)
         if planned:  # behind a ChunkCacheRetriever on this cache: only the others are new
-            others = [n for n in others if _chunk_id(n.node, self.cache) not in planned]
+            others = [n for n in others if not _repeats(n.node, planned, self.cache)]
             if not others:
                 return list(planned.values())
         return list(planned.values()) + plan_nodes(

@@ -64,13 +64,14 @@ from chunkcache.core.chat_turns import (
     recorded_chunk_ids,
     trimmed,
 )
+from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY
 from chunkcache.core.errors import PromptTooLongError
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
 from chunkcache.core.prompting import counts_prompts, fits_context_window
 from chunkcache.core.retrieval import replanning
 from chunkcache.integrations.llama_index import ChunkCacheRetriever
-from chunkcache.integrations.llama_index_llm import ChunkCacheLLM
+from chunkcache.integrations.llama_index_llm import ChunkCacheLLM, node_text
 
 __all__ = [
     "CHUNK_IDS_KEY",
@@ -344,7 +345,8 @@ class ChunkCacheChatEngine(BaseChatEngine):
             text = self._context_template.format(context_str=context, query_str=message)
         else:
             text = message
-        chunk_ids = [n.node.metadata["chunk_id"] for n in nodes]
+        # A node with metadata only is sent but holds no chunk (see ChunkCacheRetriever).
+        chunk_ids = [n.node.metadata[CHUNK_ID_METADATA_KEY] for n in nodes if node_text(n.node)]
         user = ChatMessage(
             role=MessageRole.USER, content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids}
         )

@@ -35,8 +35,9 @@ The model is loaded on first use; an async call loads it in a worker thread, so 
 event loop runs on meanwhile.
 
 Per-call keywords: ``chunks`` (nodes, or (chunk id, text) pairs, for chunks the
-registry does not hold), ``conversation_id``, ``recompute``, ``recompute_ratio``,
-``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``.
+registry does not hold; nodes without text are no chunks, skipped), ``conversation_id``,
+``recompute``, ``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
+``seed``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
     TextBlock,
+    ThinkingBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
@@ -363,8 +365,10 @@ def _chat_message(message: ChatMessage) -> dict[str, str]:
         )
     for block in message.blocks:
         # A CachePoint marks where a provider should cache the prompt up to; it holds no
-        # text, and the engine caches every prompt on its own.
-        if not isinstance(block, TextBlock | CachePoint):
+        # text, and the engine caches every prompt on its own.  A ThinkingBlock is a past
+        # turn's reasoning: LlamaIndex's ``content`` (what its messages_to_prompt and
+        # text-only LLMs send) holds the text blocks alone, so it is not sent back.
+        if not isinstance(block, TextBlock | CachePoint | ThinkingBlock):
             raise ValueError(f"ChunkCacheLLM takes text only, got a {block.block_type!r} block")
     return {"role": role, "content": message.content or ""}
 
@@ -394,11 +398,10 @@ def _chunk_pairs(
     pairs = []
     for chunk in chunks:
         node = chunk.node if isinstance(chunk, NodeWithScore) else chunk
-        if isinstance(node, BaseNode):
-            text = node_text(node)
-            pairs.append((chunk_id_for(text, node.metadata, namespace), text))
-        else:
+        if not isinstance(node, BaseNode):
             pairs.append(node)
+        elif text := node_text(node):  # a node without text (metadata only) is no chunk
+            pairs.append((chunk_id_for(text, node.metadata, namespace), text))
     return pairs
 
 

@@ -162,9 +162,11 @@ def test_retriever_rank_is_the_base_rank_whatever_the_order() -> None:
 
 def test_nodes_with_the_same_text_collapse_to_the_best_ranked() -> None:
     nodes = make_retriever({"q": [A, B, A, " "]}, ordering="retriever").retrieve("q")
-    assert texts(nodes) == [A, B]
+    # the blank node's metadata ("source: doc-3") is what LlamaIndex would send: kept, last
+    assert texts(nodes) == [A, B, " "]
     assert nodes[0].score == 1.0
-    assert [n.node.metadata["retriever_rank"] for n in nodes] == [0, 1]
+    assert [n.node.metadata["retriever_rank"] for n in nodes[:2]] == [0, 1]
+    assert "chunk_id" not in nodes[2].node.metadata
 
 
 def test_excluded_keys_stay_out_of_llm_and_embed_text() -> None:
