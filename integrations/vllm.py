@@ -213,8 +213,14 @@ class VllmBackend:
         if params.stop:
             body["stop"] = list(params.stop)
         if params.seed is not None:
-            body["seed"] = params.seed
+            body["seed"] = signed_seed(params.seed)
         return body
+
+
+def signed_seed(seed: int) -> int:
+    """``seed`` (in [0, 2**64)) as the signed 64-bit integer with the same bits: vLLM takes
+    seeds in [-2**63, 2**63) and refuses the upper half of the unsigned range."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _fill_usage(stats: GenerationStats, usage: Any, server: str) -> None:

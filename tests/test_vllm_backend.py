@@ -139,6 +139,15 @@ def test_request_body_is_the_joined_prompt_with_sampling_mapped() -> None:
     assert server.requests[-1].headers["authorization"] == "Bearer secret"
 
 
+@pytest.mark.parametrize(
+    ("seed", "sent"), [(0, 0), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1)]
+)
+def test_seeds_are_sent_in_vllms_signed_64_bit_range(seed: int, sent: int) -> None:
+    server = FakeVllm()
+    generate(make_backend(server), request(temperature=0.5, seed=seed))
+    assert server.body()["seed"] == sent
+
+
 def test_greedy_request_sends_no_stop_or_seed_and_no_auth() -> None:
     server = FakeVllm()
     generate(make_backend(server), request())
