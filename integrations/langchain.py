@@ -27,28 +27,24 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import patch_config, run_in_executor
 from pydantic import ConfigDict, Field
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.ledger import DedupeMode
 from chunkcache.core.ordering import Ordering
-from chunkcache.core.retrieval import (
-    RetrievalPlan,
-    conversation_id_from,
-    plan_retrieval,
-    retrieval_scope,
-)
-from chunkcache.integrations.langchain_llm import ChunkCacheLLM
+from chunkcache.core.retrieval import RetrievalPlan, plan_retrieval, retrieval_scope
+from chunkcache.integrations.langchain_llm import ChunkCacheLLM, config_conversation_id
 
 __all__ = ["ChunkCacheLLM", "ChunkCacheRetriever", "conversation_id_from_config"]
 
 
 def conversation_id_from_config(config: RunnableConfig | None) -> str | None:
     """The conversation id in ``config["configurable"]``: ``conversation_id``,
-    ``session_id`` or ``thread_id``, the first one set."""
-    return conversation_id_from(ensure_config(config).get("configurable"))
+    ``session_id`` or ``thread_id``, the first one set; one over 200 characters is named by
+    its SHA-256, as :class:`ChunkCacheLLM` and ``with_chunk_history`` name it."""
+    return config_conversation_id(config)
 
 
 class ChunkCacheRetriever(BaseRetriever):

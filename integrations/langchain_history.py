@@ -39,7 +39,6 @@ was saved may leave out a chunk of that unsaved turn.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +68,7 @@ from chunkcache.integrations.langchain_chat_turns import (
     history_lookup,
     prompt_budget,
 )
+from chunkcache.integrations.langchain_llm import conversation_key
 
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
@@ -174,8 +174,7 @@ def with_chunk_history(
         if any(key not in configurable for key in history_keys):
             return None
         values = [str(configurable[key]) for key in history_keys]
-        joined = values[0] if len(values) == 1 else json.dumps(values)
-        return joined if len(joined) <= 200 else hashlib.sha256(joined.encode()).hexdigest()
+        return conversation_key(values[0] if len(values) == 1 else json.dumps(values))
 
     def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
         conversation_id = conversation_of(config)

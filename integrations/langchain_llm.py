@@ -33,6 +33,7 @@ app's process, so there it needs LangChain's ``custom_get_token_ids``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -332,9 +333,29 @@ class ChunkCacheLLM(BaseChatModel):
         }
 
 
+# Longer session keys (a signed token, several ids joined) are named by their hash: the
+# ledger and the engine take conversation ids of at most 256 characters.
+_MAX_PLAIN_CONVERSATION_KEY = 200
+
+
+def conversation_key(key: str) -> str:
+    """The conversation id for an app's session key: the key itself, or past 200
+    characters its SHA-256 (hex), so any session key names one conversation."""
+    if len(key) <= _MAX_PLAIN_CONVERSATION_KEY:
+        return key
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def config_conversation_id(config: RunnableConfig | None) -> str | None:
+    """The conversation id in ``config["configurable"]`` (``conversation_id``, ``session_id``
+    or ``thread_id``, the first one set), as :func:`conversation_key` names it."""
+    found = conversation_id_from(ensure_config(config).get("configurable"))
+    return None if found is None else conversation_key(found)
+
+
 def _with_conversation(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` plus the config's conversation id, unless one was passed explicitly."""
-    conversation_id = conversation_id_from(ensure_config(config).get("configurable"))
+    conversation_id = config_conversation_id(config)
     if conversation_id is None or "conversation_id" in kwargs:
         return kwargs
     return {**kwargs, "conversation_id": conversation_id}

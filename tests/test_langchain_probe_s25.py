@@ -1,0 +1,86 @@
+"""LangChain apps as users build them, on the fake backend: long session keys, a history
+that another (reasoning) model wrote."""
+
+from __future__ import annotations
+
+import pytest
+from fake_backend import FakeBackend
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig, RunnableLambda, RunnablePassthrough
+from test_langchain_history import TEXTS, WindowRetriever
+
+from chunkcache.core import ChunkCache
+from chunkcache.integrations.langchain import (
+    ChunkCacheLLM,
+    ChunkCacheRetriever,
+    conversation_id_from_config,
+)
+from chunkcache.integrations.langchain_history import (
+    InMemoryChatHistory,
+    chunk_chat_prompt,
+    with_chunk_history,
+)
+
+LONG_SESSION = "tenant-7:user-42:" + "f" * 300  # e.g. a signed session token
+
+
+def fake_llm() -> ChunkCacheLLM:
+    return ChunkCacheLLM(chunk_cache=ChunkCache(backend=FakeBackend()))
+
+
+def requests_of(llm: ChunkCacheLLM) -> FakeBackend:
+    backend = llm.chunk_cache.backend
+    assert isinstance(backend, FakeBackend)
+    return backend
+
+
+def test_a_chat_with_a_long_session_key_answers_with_chunkcaches_llm() -> None:
+    llm = fake_llm()
+    retriever = ChunkCacheRetriever(
+        base_retriever=WindowRetriever(), cache=llm.chunk_cache, dedupe="drop"
+    )
+    histories: dict[str, InMemoryChatHistory] = {}
+    chat = with_chunk_history(
+        chunk_chat_prompt("Answer from the context.") | llm,
+        retriever,
+        lambda session_id: histories.setdefault(session_id, InMemoryChatHistory()),
+    )
+    config = RunnableConfig(configurable={"session_id": LONG_SESSION})
+    for question in ("0", "1"):
+        chat.invoke({"question": question}, config=config)
+    requests = requests_of(llm).requests
+    (conversation,) = {request.conversation_id for request in requests}
+    assert conversation is not None and len(conversation) <= 256
+    assert retriever.cache.ledger.seen(conversation)  # the retriever's conversation too
+    assert len(histories[LONG_SESSION].messages) == 4
+    second = "".join(segment.text for segment in requests[-1].segments)
+    assert [second.count(fact) for fact in TEXTS[:4]] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("key", ["session_id", "thread_id"])
+def test_a_long_session_key_in_config_names_one_conversation_on_both_sides(key: str) -> None:
+    llm = fake_llm()
+    retriever = ChunkCacheRetriever(
+        base_retriever=WindowRetriever(), cache=llm.chunk_cache, dedupe="drop"
+    )
+    prompt = ChatPromptTemplate.from_messages([("human", "{context}\n\n{question}")])
+
+    def join(docs: list[Document]) -> str:
+        return "\n".join(doc.page_content for doc in docs)
+
+    chain = {"context": retriever | RunnableLambda(join), "question": RunnablePassthrough()}
+    config = RunnableConfig(configurable={key: LONG_SESSION})
+    (chain | prompt | llm).invoke("0", config=config)
+    docs = retriever.invoke("1", config=config)
+    assert [doc.page_content for doc in docs] == [TEXTS[3]]  # facts 1-2 were sent
+    conversation = conversation_id_from_config(config)
+    assert conversation is not None and len(conversation) <= 256
+    assert requests_of(llm).requests[-1].conversation_id == conversation
+    short = RunnableConfig(configurable={key: "user-42"})
+    assert conversation_id_from_config(short) == "user-42"  # short keys are kept as they are
+
+
