@@ -416,6 +416,12 @@ def _role(message: BaseMessage) -> str:
     )
 
 
+# A past turn's reasoning, as a reasoning model's messages carry it (langchain-core's standard
+# block, Anthropic's thinking, OpenAI-compatible servers' reasoning_content): the message's
+# ``text`` leaves it out and the chat template has no place for it, so it is not sent.
+_REASONING_BLOCKS = frozenset({"reasoning", "thinking", "redacted_thinking", "reasoning_content"})
+
+
 def _text(message: BaseMessage) -> str:
     if isinstance(message.content, str):
         return message.content
@@ -425,6 +431,8 @@ def _text(message: BaseMessage) -> str:
             texts.append(block)
         elif block.get("type") == "text":
             texts.append(block["text"])
+        elif block.get("type") in _REASONING_BLOCKS:
+            continue
         else:
             raise ValueError(
                 f"ChunkCacheLLM takes text only, got a {block.get('type')!r} content block"

@@ -84,3 +84,25 @@ def test_a_long_session_key_in_config_names_one_conversation_on_both_sides(key: 
     assert conversation_id_from_config(short) == "user-42"  # short keys are kept as they are
 
 
+def test_a_history_with_another_models_reasoning_sends_its_text_alone() -> None:
+    llm = fake_llm()
+    earlier_answer = AIMessage(
+        content=[
+            {"type": "reasoning", "reasoning": "The user wants a greeting."},
+            {"type": "thinking", "thinking": "Keep it short.", "signature": "c2ln"},
+            {"type": "redacted_thinking", "data": "ZW5j"},
+            {"type": "text", "text": "Hello!"},
+        ]
+    )
+    question = HumanMessage("and?")
+    llm.invoke([SystemMessage("Be brief."), HumanMessage("hi"), earlier_answer, question])
+    (segment,) = requests_of(llm).requests[-1].segments
+    assert segment.text == FakeBackend().render_chat(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "and?"},
+        ]
+    )
+
