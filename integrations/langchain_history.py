@@ -301,15 +301,31 @@ async def _asave(history: SessionHistory, messages: list[BaseMessage]) -> None:
 
 def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:
     """``retriever``, or the one inside its wrappers (``with_config``, ``bind``,
-    ``with_retry``, ``with_fallbacks``), when it is a :class:`ChunkCacheRetriever`: the one
-    whose ledger a turn keeps in sync."""
-    while True:
-        if isinstance(retriever, RunnableBindingBase):
-            retriever = retriever.bound
-        elif isinstance(retriever, RunnableWithFallbacks):
-            retriever = retriever.runnable
+    ``with_retry``, ``with_fallbacks``, a retriever over one other such as
+    ``ContextualCompressionRetriever`` or ``MultiQueryRetriever``), when it is a
+    :class:`ChunkCacheRetriever`: the one whose ledger a turn keeps in sync.  Under a
+    compressor the sync matters most: a chunk the compressor filtered out was never sent,
+    and only the history says so."""
+    found: Runnable[Any, Any] | None = retriever
+    while found is not None and not isinstance(found, ChunkCacheRetriever):
+        if isinstance(found, RunnableBindingBase):
+            found = found.bound
+        elif isinstance(found, RunnableWithFallbacks):
+            found = found.runnable
         else:
-            return retriever if isinstance(retriever, ChunkCacheRetriever) else None
+            found = _inner_retriever(found)
+    return found
+
+
+def _inner_retriever(retriever: Runnable[Any, Any]) -> Runnable[Any, Any] | None:
+    """The one retriever a retriever wraps, by langchain-classic's attribute names:
+    ``base_retriever`` (``ContextualCompressionRetriever``), ``retriever``
+    (``MultiQueryRetriever``)."""
+    for name in ("base_retriever", "retriever"):
+        inner = getattr(retriever, name, None)
+        if isinstance(inner, Runnable):
+            return inner
+    return None
 
 
 def chunk_ids_in(messages: Sequence[BaseMessage]) -> list[str]:

@@ -106,3 +106,35 @@ def test_a_history_with_another_models_reasoning_sends_its_text_alone() -> None:
         ]
     )
 
+
+class KeepUpTo(BaseRetriever):
+    """A compressor as langchain-classic's ``ContextualCompressionRetriever`` is one: it wraps
+    ``base_retriever`` and keeps the facts numbered up to the query + 1."""
+
+    base_retriever: BaseRetriever
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        docs = self.base_retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        return [doc for doc in docs if int(doc.page_content.split()[1][:-1]) <= int(query) + 1]
+
+
+def test_a_chunk_a_compressor_filtered_out_is_sent_when_it_comes_back() -> None:
+    """Turn 1 retrieves facts 0-2 and the compressor keeps 0-1; turn 2 retrieves 2-4 and
+    keeps 2-3. The drop wrapper inside the compressor must not drop fact 2 as already sent."""
+    llm = fake_llm()
+    inner = ChunkCacheRetriever(
+        base_retriever=WindowRetriever(), cache=llm.chunk_cache, dedupe="drop"
+    )
+    history = InMemoryChatHistory()
+    chat = with_chunk_history(
+        chunk_chat_prompt("Answer from the context.") | llm,
+        KeepUpTo(base_retriever=inner),
+        lambda session_id: history,
+    )
+    config = RunnableConfig(configurable={"session_id": "s"})
+    for question in ("0", "2"):
+        chat.invoke({"question": question}, config=config)
+    second = "".join(segment.text for segment in requests_of(llm).requests[-1].segments)
+    assert [second.count(fact) for fact in TEXTS[:5]] == [1, 1, 1, 1, 0]
