@@ -293,6 +293,8 @@ class ChunkCacheLLM(BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> GenerationRequest:
+        # langchain-core reads ``stream`` to choose _stream or _generate, then passes it on.
+        kwargs = {name: value for name, value in kwargs.items() if name != "stream"}
         options = call_options(self, kwargs)
         options["chunks"] = self._chunk_pairs(kwargs.get("chunks"))
         if stop is not None:

@@ -138,3 +138,9 @@ def test_a_chunk_a_compressor_filtered_out_is_sent_when_it_comes_back() -> None:
         chat.invoke({"question": question}, config=config)
     second = "".join(segment.text for segment in requests_of(llm).requests[-1].segments)
     assert [second.count(fact) for fact in TEXTS[:5]] == [1, 1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_langchain_cores_stream_flag_is_taken(stream: bool) -> None:
+    llm = fake_llm()
+    assert llm.invoke("hello", stream=stream).content
