@@ -13,7 +13,10 @@ layer by layer as on disk: a round trip per layer would cost more than it hides.
 Redis going away never fails a request: the first connection error logs one warning and
 marks the tier down; every call then misses at once, and after ``retry_after_s`` one call
 probes the server again.  The first call the server answers after that tells
-``up_listeners`` (the tiered store then writes what it could not write meanwhile).
+``up_listeners`` (the tiered store then writes what it could not write meanwhile).  A
+connection error (not a timeout) the server answers a ping right after is one request it
+refused (a blob over its ``proto-max-bulk-len`` closes the connection): that request
+misses, counted, and the tier stays up.  An entry larger than the tier is not written.
 """
 
 from __future__ import annotations
@@ -34,10 +37,22 @@ from chunkcache.core.store.tier import Evicted, Victim
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A clock that is not a number, or gone (a ``maxmemory`` policy evicts any key), restarts
+# above the newest tick: from 1, a new or touched entry would be the next victim.
+_CLOCK = """
+if not tonumber(redis.call('GET', clock)) then
+  local newest = redis.call('ZRANGE', lru, -1, -1, 'WITHSCORES')[2]
+  redis.call('SET', clock, math.floor(tonumber(newest) or 0))
+end
+"""
+
 # Checks every key it will write before the first write (a script that fails midway keeps
-# what it wrote): a key of the wrong type fails the put untouched; a counter that is not a
-# number is rebuilt (the byte total from the sizes hash, the clock from the newest tick).
-_PUT = """
+# what it wrote): a key of the wrong type fails the put untouched; a byte total that is not a
+# number, or gone, is rebuilt from the sizes hash.  When every other entry the sorted set
+# lists is evicted and the total is still over, the rest is entries Redis evicted from the
+# set or the sizes hash: no pick would ever reach them, so they are dropped and recounted.
+_PUT = (
+    """
 local entry, segset, lru, sizes, total, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local blob, ctx, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local size = string.len(blob)
@@ -50,16 +65,20 @@ for key, kind in pairs(expected) do
     return redis.error_reply(key .. ' holds a ' .. found .. ', not a ' .. kind)
   end
 end
-local stored = redis.call('GET', total)
-if stored and not tonumber(stored) then
+if not tonumber(redis.call('GET', total)) then
   local sum = 0
   for _, v in ipairs(redis.call('HVALS', sizes)) do sum = sum + (tonumber(v) or 0) end
   redis.call('SET', total, sum)
 end
-local tick = redis.call('GET', clock)
-if tick and not tonumber(tick) then
-  local newest = redis.call('ZRANGE', lru, -1, -1, 'WITHSCORES')[2]
-  redis.call('SET', clock, math.floor(tonumber(newest) or 0))
+"""
+    + _CLOCK
+    + """
+local function drop(victim)
+  redis.call('ZREM', lru, victim)
+  redis.call('HDEL', sizes, victim)
+  redis.call('DEL', victim)
+  local cut = string.find(victim, ':[^:]*$')
+  if cut then redis.call('SREM', string.sub(victim, 1, cut - 1), string.sub(victim, cut + 1)) end
 end
 local old = tonumber(redis.call('HGET', sizes, entry) or '0') or 0
 redis.call('DECRBY', total, old)
@@ -71,25 +90,34 @@ local used = redis.call('INCRBY', total, size)
 local evicted = 0
 while used > cap do
   local victim = redis.call('ZRANGE', lru, 0, 0)[1]
-  if not victim then break end
-  local vsize = tonumber(redis.call('HGET', sizes, victim) or '0')
-  redis.call('ZREM', lru, victim)
-  redis.call('HDEL', sizes, victim)
-  redis.call('DEL', victim)
-  local cut = string.find(victim, ':[^:]*$')
-  redis.call('SREM', string.sub(victim, 1, cut - 1), string.sub(victim, cut + 1))
+  if victim == entry then
+    for _, other in ipairs(redis.call('HKEYS', sizes)) do
+      if other ~= entry then drop(other) end
+    end
+    redis.call('SET', total, size)
+    break
+  end
+  local vsize = tonumber(redis.call('HGET', sizes, victim)) or redis.call('STRLEN', victim)
+  drop(victim)
   used = redis.call('DECRBY', total, vsize)
   evicted = evicted + 1
 end
 return evicted
 """
+)
 
-_TOUCH = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])
+_TOUCH = (
+    """
+local lru, clock = KEYS[1], KEYS[2]
+if redis.call('ZSCORE', lru, ARGV[1]) then
+"""
+    + _CLOCK
+    + """
+  redis.call('ZADD', lru, redis.call('INCR', clock), ARGV[1])
 end
 return 0
 """
+)
 
 _REMOVE = """
 local vsize = redis.call('HGET', KEYS[3], KEYS[1])
@@ -184,6 +212,8 @@ class RedisTier:
     ) -> bool:
         data, header = codec.encode(fingerprint, variant)
         blob = codec.pack(data, header)
+        if len(blob) > self.capacity_bytes:  # it would evict every entry, then itself
+            return False
         keys = [self._entry(key), self._k(key.namespace, key.segment)]
         keys += [self._k("lru"), self._k("sizes"), self._k("bytes"), self._k("clock")]
         args: list[bytes | str | int] = [blob, key.context, self.capacity_bytes]
@@ -215,6 +245,11 @@ class RedisTier:
             result = call()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
             self.num_errors += 1
+            # A closed connection the server answers a ping right after was this request's
+            # alone (too big); after a timeout every request would wait as long: down.
+            if not isinstance(error, redis.TimeoutError | TimeoutError) and self._answers():
+                log.warning("Redis tier %s: %s", self.name, error)
+                return default
             with self._lock:
                 if self._down_since is None:
                     log.warning(
@@ -234,6 +269,14 @@ class RedisTier:
             for listener in self.up_listeners:
                 listener()
         return result
+
+    def _answers(self) -> bool:
+        """Whether the server answers a ping now, after a request failed: a server that
+        closes the connection on one oversized request is not down."""
+        try:
+            return bool(self._client.ping())
+        except (redis.RedisError, OSError):
+            return False
 
 
 def _is_hash(member: bytes) -> bool:
