@@ -78,7 +78,10 @@ class DiskTier:
         return len(self._index)
 
     def __contains__(self, key: EntryKey) -> bool:
-        return all(path.exists() for path in self._index.paths(key))
+        try:
+            return all(path.exists() for path in self._index.paths(key))
+        except OSError:  # a failing disk (EIO, EACCES, NFS ESTALE): get/put count the failure
+            return False
 
     def entry_keys(self) -> list[EntryKey]:
         return self._index.keys()

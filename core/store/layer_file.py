@@ -80,6 +80,9 @@ class LayerFile:
         (length,) = _LENGTH.unpack(raw)
         if length > _MAX_TABLE:
             raise CorruptEntryError("data file table length out of range")
+        size = os.fstat(self._fd).st_size
+        if size != self.header["num_bytes"]:
+            raise CorruptEntryError("data file size differs from the header")
         try:
             table = json.loads(os.pread(self._fd, length, _LENGTH.size))
             total = self.shape[0] * self.layer_bytes
@@ -91,11 +94,12 @@ class LayerFile:
                     raise CorruptEntryError(f"{name}: dtype or shape differs from the header")
                 if end - begin != total:
                     raise CorruptEntryError(f"{name}: byte range does not fit its shape")
+                # a garbled table's offsets would reach pread as numbers it cannot take
+                if not 0 <= begin <= end <= size - _LENGTH.size - length:
+                    raise CorruptEntryError(f"{name}: byte range outside the file")
                 offsets[name] = _LENGTH.size + length + begin
         except CorruptEntryError:
             raise
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as error:
             raise CorruptEntryError(f"unreadable data file table: {error}") from error
-        if os.fstat(self._fd).st_size != self.header["num_bytes"]:
-            raise CorruptEntryError("data file size differs from the header")
         return offsets
