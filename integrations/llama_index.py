@@ -20,10 +20,12 @@ change from request to request, and text that changes next to a chunk costs its 
 The node keeps its own ``id_`` (LlamaIndex always assigns one, and docstores and
 relationships refer to it); the chunk id lives in the metadata only.
 
-A node with no text whose metadata LlamaIndex renders into the prompt
-(``MetadataMode.LLM``: a title, a table's caption) is returned too, after the chunks,
-as it came: it has no chunk text, so it gets no chunk id, is not cached or deduped, and
-is sent in every prompt that includes it.  A node with neither is left out.
+A node with no text but other content for the prompt is returned too, after the
+chunks, as it came: metadata LlamaIndex renders into the prompt (``MetadataMode.LLM``:
+a title, a table's caption), or media (an ``ImageNode``'s image, a ``Node``'s image,
+audio or video, which LlamaIndex's multimodal synthesizers send).  It has no chunk
+text, so it gets no chunk id, is not cached or deduped, and is sent in every prompt
+that includes it.  A node with none of these is left out.
 
 When is ``dedupe="drop"`` safe?  Dropping a chunk the conversation has already
 seen (CRAFT §4.3) loses nothing only while that chunk is still in the prompt,
@@ -48,7 +50,14 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.schema import (
+    BaseNode,
+    ImageNode,
+    MetadataMode,
+    Node,
+    NodeWithScore,
+    QueryBundle,
+)
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY, chunk_id_for
@@ -85,13 +94,13 @@ def plan_nodes(
     Ids are computed on the node's bare content without the whitespace around it
     (:func:`~chunkcache.integrations.llama_index_llm.node_text`), the text the LLM side
     looks for in prompts.  Nodes sharing a chunk id collapse to the
-    best-ranked one; scores are kept.  Nodes with no text but LLM metadata follow the
-    chunks, unplanned (see the module docs); empty nodes are left out.  Called while a
+    best-ranked one; scores are kept.  Nodes with no text but LLM metadata or media
+    follow the chunks, unplanned (see the module docs); empty nodes are left out.  Called while a
     wrapper on ``cache`` retrieves (nested in it), it returns ``nodes`` as they are:
     that wrapper plans the request.
     """
-    metadata_only = [_is_metadata_only(n.node) for n in nodes]
-    chunks = [n for n, only in zip(nodes, metadata_only, strict=True) if not only]
+    unplanned = [_is_textless_content(n.node) for n in nodes]
+    chunks = [n for n, other in zip(nodes, unplanned, strict=True) if not other]
     plan = plan_retrieval(
         [(node_text(n.node), n.node.metadata) for n in chunks],
         cache,
@@ -123,13 +132,25 @@ def plan_nodes(
     with _planned_lock:
         mine = _planned.setdefault(cache, weakref.WeakValueDictionary())
         mine.update((id(n.node), n.node) for n in planned)
-    others = [n for n, only in zip(nodes, metadata_only, strict=True) if only]
+    others = [n for n, other in zip(nodes, unplanned, strict=True) if other]
     return planned + [NodeWithScore(node=n.node.model_copy(), score=n.score) for n in others]
 
 
-def _is_metadata_only(node: BaseNode) -> bool:
-    """Whether ``node`` has no text but metadata LlamaIndex puts in a prompt with it."""
-    return not node_text(node) and bool(node.get_content(metadata_mode=MetadataMode.LLM).strip())
+def _is_textless_content(node: BaseNode) -> bool:
+    """Whether ``node`` has no text but metadata LlamaIndex puts in a prompt with it, or
+    media."""
+    if node_text(node):
+        return False
+    return _has_media(node) or bool(node.get_content(metadata_mode=MetadataMode.LLM).strip())
+
+
+def _has_media(node: BaseNode) -> bool:
+    """Whether ``node`` holds an image, audio or video (read without loading it)."""
+    if isinstance(node, ImageNode):
+        return any((node.image, node.image_path, node.image_url))
+    if isinstance(node, Node):
+        return any((node.image_resource, node.audio_resource, node.video_resource))
+    return False
 
 
 def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:

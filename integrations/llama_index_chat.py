@@ -338,10 +338,10 @@ class ChunkCacheChatEngine(BaseChatEngine):
 
     def _prompt(self, message: str, nodes: list[NodeWithScore]) -> tuple[ChatMessage, Prompt]:
         """This turn's user message, and the whole prompt ending with it."""
-        if nodes:
-            context = CHUNK_SEPARATOR.join(
-                n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes
-            )
+        # A node with media alone (an image) renders as no text: this prompt is text only.
+        contents = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+        if any(contents):
+            context = CHUNK_SEPARATOR.join(c for c in contents if c)
             text = self._context_template.format(context_str=context, query_str=message)
         else:
             text = message
