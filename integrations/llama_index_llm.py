@@ -2,10 +2,11 @@
 
 The chunks a :class:`~chunkcache.integrations.llama_index.ChunkCacheRetriever`
 returned are found in the prompt by exact text, whatever template built it.
-``chat``/``stream_chat`` render the messages with the backend's chat template (on a
-model without one, a base model, with ``messages_to_prompt``, as LlamaIndex does for
-completion models); ``complete``/``stream_complete`` send the prompt as it is (after
-``completion_to_prompt`` unless ``formatted=True``): a completion, no chat template.
+``chat``/``stream_chat`` render the messages with the backend's chat template (with
+``messages_to_prompt`` where the app sets one, as LlamaIndex's local LLMs do, or on a
+model without a template, a base model, as LlamaIndex does for completion models);
+``complete``/``stream_complete`` send the prompt as it is (after ``completion_to_prompt``
+unless ``formatted=True``): a completion, no chat template.
 
 >>> llm = ChunkCacheLLM(max_tokens=64).for_conversation("user-42")  # doctest: +SKIP
 >>> response = llm.chat([ChatMessage(role="user", content=prompt_with_chunks)])  # doctest: +SKIP
@@ -338,10 +339,12 @@ class ChunkCacheLLM(LLM):
         return self.completion_to_prompt(prompt)
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        rendered = [_chat_message(m) for m in messages]
+        # A messages_to_prompt the app set wins over the chat template, as in LlamaIndex's
+        # own local LLMs (HuggingFaceLLM, LlamaCPP); its default is only for base models.
+        own = self.messages_to_prompt not in (None, generic_messages_to_prompt)
         backend = self.cache.backend
-        if _has_chat_template(backend):
-            return backend.render_chat(rendered)
+        if not own and _has_chat_template(backend):
+            return backend.render_chat([_chat_message(m) for m in messages])
         return (self.messages_to_prompt or generic_messages_to_prompt)(messages)
 
     def _request(self, prompt: str, kwargs: dict[str, Any]) -> GenerationRequest:

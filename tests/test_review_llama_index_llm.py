@@ -302,6 +302,14 @@ def test_a_model_without_a_chat_template_is_sent_completions(lm: LoadedModel) ->
     assert checked_stats([chat])["prompt_tokens"] == len(["w7", "w8", "w9", "w100"])
 
 
+def test_a_messages_to_prompt_the_app_sets_wins_over_the_chat_template(lm: LoadedModel) -> None:
+    """As in LlamaIndex's HuggingFaceLLM and LlamaCPP: the app's own rendering is used."""
+    llm = local_llm(lm, max_tokens=4, messages_to_prompt=_as_words)
+    assert llm.metadata.is_chat_model
+    chat = llm.chat([ChatMessage(content="w7 w8"), ChatMessage(content="w9")])
+    assert checked_stats([chat])["prompt_tokens"] == len(["w7", "w8", "w9", "w100"])
+
+
 def _as_words(messages: Sequence[ChatMessage]) -> str:
     return " ".join([*(m.content or "" for m in messages), "w100"])
 
