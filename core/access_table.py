@@ -46,10 +46,13 @@ class AccessTable:
     def record(self, chunk_ids: Iterable[str]) -> None:
         """Count one request that retrieved ``chunk_ids`` (duplicates count once)."""
         request = tuple(dict.fromkeys(chunk_ids))
-        self._requests.append(request)
         # New chunks are numbered in id order, not request order: otherwise the
         # order a retriever returned one set in would decide its ties for good.
-        for cid in sorted(cid for cid in request if cid not in self._counts):
+        # Sorted before anything changes: ids that cannot be sorted (int beside str)
+        # raise with the table as it was, not with a request it never counted.
+        new = sorted(cid for cid in request if cid not in self._counts)
+        self._requests.append(request)
+        for cid in new:
             self._counts[cid] = 0
             self._first_seen[cid] = next(self._sequence)
         for cid in request:

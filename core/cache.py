@@ -143,6 +143,11 @@ class ChunkCache:
         check_ordering(ordering)
         check_dedupe_mode(dedupe)
         unique = list(dict.fromkeys(chunk_ids))
+        # Before the ledger or the table changes: a bad id must fail this request only,
+        # not leave a half-counted request that breaks a later one.
+        for cid in unique:
+            if not isinstance(cid, str):
+                raise TypeError(f"chunk ids must be str, got {type(cid).__name__}")
         if conversation_id is not None:
             deduped = self.ledger.apply(conversation_id, unique, dedupe)
             kept, dropped, seen = deduped.kept, deduped.dropped, deduped.seen
