@@ -18,7 +18,8 @@ holds any of them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,19 +172,17 @@ class ChunkCache:
         contains_chunk = getattr(store, "contains_chunk", None)
         if not isinstance(listeners, list) or contains_segment is None:
             return
+        with _followers_lock:
+            followers = next((f for f in listeners if isinstance(f, _EvictionFollowers)), None)
+            if followers is None:
+                followers = _EvictionFollowers(contains_segment, contains_chunk)
+                listeners.append(followers)
+            followers.caches.add(self)
 
-        def dropped(fingerprint: str, segment_id: str, context: str) -> None:
-            chunk_id = chunk_id_of(segment_id)
-            # contains_chunk knows the texts this process stored; contains_segment also
-            # sees a variant of this text stored by another process or an earlier run.
-            if contains_segment(fingerprint, segment_id) or (
-                contains_chunk is not None and contains_chunk(fingerprint, chunk_id)
-            ):
-                return  # another variant of the chunk (any of its texts) is still cached
-            with self._lock:
-                self.prefix_tree.remove_chunk(chunk_id)
-
-        listeners.append(dropped)
+    def _forget_chunk(self, chunk_id: str) -> None:
+        """The store holds no KV of ``chunk_id`` any more: no prefix through it is cached."""
+        with self._lock:
+            self.prefix_tree.remove_chunk(chunk_id)
 
     def stats(self) -> dict[str, Any]:
         """Sizes of each part, for logs and benchmarks."""
@@ -197,6 +196,41 @@ class ChunkCache:
             "registered_chars": self.registry.num_chars,
         }
 
+
+class _EvictionFollowers:
+    """The one drop listener a store gets, for every cache whose backend runs on it.
+
+    It holds the caches weakly: an app may make a cache per tenant or per session on one
+    shared backend, and a cache it no longer holds must not be kept alive (and called on
+    every eviction) by the store's listener list.
+    """
+
+    def __init__(
+        self,
+        contains_segment: Callable[[str, str], bool],
+        contains_chunk: Callable[[str, str], bool] | None,
+    ) -> None:
+        self._contains_segment = contains_segment
+        self._contains_chunk = contains_chunk
+        # Changed and read under _followers_lock: a WeakSet must not change while iterated.
+        self.caches: weakref.WeakSet[ChunkCache] = weakref.WeakSet()
+
+    def __call__(self, fingerprint: str, segment_id: str, context: str) -> None:
+        chunk_id = chunk_id_of(segment_id)
+        # contains_chunk knows the texts this process stored; contains_segment also
+        # sees a variant of this text stored by another process or an earlier run.
+        if self._contains_segment(fingerprint, segment_id) or (
+            self._contains_chunk is not None and self._contains_chunk(fingerprint, chunk_id)
+        ):
+            return  # another variant of the chunk (any of its texts) is still cached
+        with _followers_lock:
+            caches = list(self.caches)
+        for cache in caches:
+            cache._forget_chunk(chunk_id)
+
+
+# Guards finding or adding a store's _EvictionFollowers and its set of caches.
+_followers_lock = threading.Lock()
 
 _default_cache: ChunkCache | None = None
 _default_lock = threading.Lock()
