@@ -93,6 +93,8 @@ class TieredKVStore(TieredReads):
         self._closed = False
         self._pending = {}
         self._backfill_queued = set()
+        self._newer = {}
+        self._num_puts = 0
         for i, tier in enumerate(self.tiers):  # shared tiers that say when they are back
             up_listeners = getattr(tier, "up_listeners", None)
             if isinstance(up_listeners, list):
@@ -108,10 +110,15 @@ class TieredKVStore(TieredReads):
             stats = self._touch(key, fingerprint, variant, count=True)
             stats.reuse = variant.reuse
             self._insert(0, key, fingerprint, variant)
+            self._num_puts += 1
+            number = self._num_puts
+            if len(self.tiers) > 1:  # lower tiers may hold an older variant of ``key``
+                self._newer[key] = number
             if len(self.stats) > self._stats_limit:
                 self._prune_stats()
+                self._newer = {k: n for k, n in self._newer.items() if k in self.stats}
         if self.write_through and len(self.tiers) > 1:
-            self._submit(self._write_through, key, fingerprint, variant)
+            self._submit(self._write_through, key, fingerprint, variant, number)
 
     def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
         key = entry_key(fingerprint, segment_id, context)

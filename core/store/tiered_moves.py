@@ -5,7 +5,10 @@ the lower copy stays; a tier that must make room asks its policy for a victim, w
 one tier down unless a lower tier already holds a copy (RAGCache §5.1: swap out only once,
 multi-level eviction); leaving the last tier drops it for good and tells the drop listeners,
 unless a faster tier still holds a copy promoted from below.
-Write-through copies a new variant to every lower tier (RAG-DCache §III).  A failing tier is
+Write-through copies a new variant to every lower tier (RAG-DCache §III).  A put replaces
+an older variant under the same key (approximate KV, say, now computed exactly) in every
+tier: write-through rewrites a lower copy that differs, and, where none ran, the put variant
+drops such a copy when it is evicted and moves down in its place.  A failing tier is
 counted (``errors``) and skipped, never a failed request.  A write-through a shared tier
 (Redis) skipped while down is remembered (:class:`~chunkcache.core.store.backfill.PendingWrites`)
 and made once the tier answers again, from the local tier that still holds the entry.
@@ -21,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.store import codec
 from chunkcache.core.store.backfill import PendingWrites
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey
 from chunkcache.core.store.metrics import StoreMetrics
@@ -39,38 +43,70 @@ class TieredMoves(TieredStats):
     _io_warned: set[str]
     _lock: threading.RLock
     _pending: dict[int, PendingWrites]  # shared tier index -> writes it missed while down
+    # key -> number of its last put, while lower tiers may hold an older variant of it
+    _newer: dict[EntryKey, int]
     _backfill_queued: set[int]
     _closed: bool
     _submit: Callable[..., Future[Any]]
 
-    def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> None:
-        """Copy a new variant to every lower tier, holding the store lock only while a tier
-        makes room: encoding and fsyncing happen unlocked, so requests are not held up."""
-        for i, tier in enumerate(self.tiers[1:], start=1):
-            if key in tier:
-                continue
-            if getattr(tier, "self_evicting", False):  # needs no policy: no lock either
-                placed = tier.put(key, fingerprint, variant, *self._callbacks(i, key))
-                if not placed and i in self._pending and not getattr(tier, "up", True):
-                    self._skipped(i, key, fingerprint)
-                continue
-            prepare = getattr(tier, "prepare", None)
+    def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant, put: int) -> None:
+        """Copy the variant of put number ``put`` to every lower tier; once every one holds
+        it, an eviction need not check their copies (:meth:`_drop_older_below`)."""
+        held = [self._write_down(i, key, fingerprint, variant) for i in range(1, len(self.tiers))]
+        with self._lock:
+            if all(held) and self._newer.get(key) == put:
+                del self._newer[key]
+
+    def _write_down(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> bool:
+        """Write ``variant`` to lower tier ``i`` unless it holds the same variant already (an
+        older one under the same key is replaced); whether tier ``i`` holds it now.  The store
+        lock is held only while a tier makes room: encoding and fsyncing happen unlocked, so
+        requests are not held up."""
+        tier = self.tiers[i]
+        if self._holds_same(tier, key, fingerprint, variant):
+            return True
+        if getattr(tier, "self_evicting", False):  # needs no policy: no lock either
+            placed = tier.put(key, fingerprint, variant, *self._callbacks(i, key))
+            if not placed and i in self._pending and not getattr(tier, "up", True):
+                self._skipped(i, key, fingerprint)
+            return placed
+        prepare = getattr(tier, "prepare", None)
+        if prepare is None:
+            with self._lock:
+                return self._insert(i, key, fingerprint, variant, fall_through=False) == i
+        try:
+            prepared = prepare(key, fingerprint, variant)
+        except OSError as error:
+            self._io_error(tier, error)
+            return False
+        if prepared is None:  # can never fit
+            return False
+        with self._lock:
             try:
-                prepared = prepare(key, fingerprint, variant) if prepare is not None else None
+                committed: bool = tier.commit(prepared, *self._callbacks(i, key))  # type: ignore[attr-defined]
             except OSError as error:
                 self._io_error(tier, error)
-                continue
-            with self._lock:
-                if prepared is not None:
-                    try:
-                        committed = tier.commit(prepared, *self._callbacks(i, key))  # type: ignore[attr-defined]
-                    except OSError as error:
-                        self._io_error(tier, error)
-                        continue
-                    if committed:
-                        self.policies[i].touched(key, self._stats_of(key))
-                elif prepare is None:
-                    self._insert(i, key, fingerprint, variant, fall_through=False)
+                return False
+            if committed:
+                self.policies[i].touched(key, self._stats_of(key))
+            return committed
+
+    def _holds_same(self, tier: Tier, key: EntryKey, fingerprint: str, variant: KVVariant) -> bool:
+        """Whether ``tier`` holds ``key`` as the same variant: alike in exactness and
+        Cache-Craft metadata (the KV of two such is interchangeable: same tokens, positions,
+        context and model).  Read from the header alone where the tier can (disk)."""
+        if key not in tier:
+            return False
+        open_lazy = getattr(tier, "open_lazy", None)
+        if open_lazy is None:
+            held = self._guarded(tier, functools.partial(tier.get, key, fingerprint))
+            return held is not None and (held.exact, held.meta) == (variant.exact, variant.meta)
+        opened = self._guarded(tier, functools.partial(open_lazy, key, fingerprint))
+        if opened is None:
+            return False
+        header, layers = opened
+        layers.close()
+        return (bool(header["exact"]), codec.meta_of(header)) == (variant.exact, variant.meta)
 
     def _skipped(self, i: int, key: EntryKey, fingerprint: str) -> None:
         """Shared tier ``i`` was down for the write of ``key``: write it once it is back."""
@@ -98,7 +134,7 @@ class TieredMoves(TieredStats):
             variant = self._local_copy(key, fingerprint)  # None: evicted locally meanwhile
             if (
                 variant is not None
-                and key not in tier  # another client may have written it meanwhile
+                and not self._holds_same(tier, key, fingerprint, variant)  # written meanwhile
                 and tier.put(key, fingerprint, variant, *self._callbacks(i, key))
             ):
                 self._metrics.tier(tier.name, "backfilled")
@@ -124,7 +160,10 @@ class TieredMoves(TieredStats):
         return None
 
     def _promote(self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant) -> KVVariant:
-        """Copy up to the fastest tier; the lower copy stays (swap out only once)."""
+        """Copy up to the fastest tier; the lower copy stays (swap out only once).  A copy
+        the fastest tier took meanwhile (a newer put, read unlocked) is kept."""
+        if key in self.tiers[0]:
+            return variant
         placed = self._insert(0, key, fingerprint, variant, fall_through=False)
         if placed == 0:
             self._metrics.tier(self.tiers[i].name, "promotions")
@@ -165,16 +204,39 @@ class TieredMoves(TieredStats):
         self._metrics.tier(self.tiers[i].name, "evictions")
         self.policies[i].evicted(key, self._stats_of(key))
         lower = self.tiers[i + 1 :]
+        loaded = self._drop_older_below(i, key, loader) if lower and key in self._newer else None
         if any(key in tier for tier in lower):
             return
-        loaded = loader() if lower else None
+        loaded = loaded or (loader() if lower else None)
         if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
         elif not any(key in tier for tier in self.tiers[:i]):
             self._dropped(key)
 
+    def _drop_older_below(
+        self, i: int, key: EntryKey, loader: Loader
+    ) -> tuple[str, KVVariant] | None:
+        """Tier ``i`` evicts a variant put over copies below that were not replaced yet
+        (no write-through, or it failed): drop the lower copies that are another variant,
+        so the put one moves down in their place.  Its entry, if it was read."""
+        if any(key in tier for tier in self.tiers[:i]):
+            return None  # the put variant is above: this copy may be an older one
+        del self._newer[key]
+        loaded = loader()
+        if loaded is None:
+            return None
+        fingerprint, variant = loaded
+        for tier in self.tiers[i + 1 :]:
+            if key in tier and not self._holds_same(tier, key, fingerprint, variant):
+                try:
+                    tier.remove(key)
+                except OSError as error:
+                    self._io_error(tier, error)
+        return loaded
+
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
+        self._newer.pop(key, None)
         stats = self._forget_stats(key)
         if stats is not None and stats.names is not None:
             for listener in self.drop_listeners:

@@ -104,6 +104,8 @@ class TieredReads(TieredMoves):
                     if key in top or (variant := self._load(i, key, fingerprint)) is None:
                         continue
                     with self._lock:
+                        if key in self.tiers[0]:  # a newer put landed while it was read
+                            continue
                         self._touch(key, fingerprint, variant, count=False)
                         if self._insert(0, key, fingerprint, self._adopt(key, variant), False) == 0:
                             self._metrics.tier(self.tiers[i].name, "prefetched")
