@@ -116,6 +116,10 @@ async def handle_error(request: Request, error: Exception) -> JSONResponse:
 async def handle_validation_error(request: Request, error: Exception) -> JSONResponse:
     """A body that does not parse or validate is a 400, as OpenAI answers, not a 422."""
     assert isinstance(error, RequestValidationError)
+    content_type = request.headers.get("content-type", "")
+    if not _is_json(content_type):  # FastAPI reads no such body: say why, not what is missing
+        message = f"send the body as JSON with Content-Type: application/json, got {content_type!r}"
+        return ServeError(400, message).response()
     items = error.errors()
     parts = []
     for item in items[:5]:
@@ -124,6 +128,14 @@ async def handle_validation_error(request: Request, error: Exception) -> JSONRes
         parts.append(f"{where}: {message}" if where else message)
     param = _param(items[0]) if items else None
     return ServeError(400, "; ".join(parts) or "invalid request", param=param).response()
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type is JSON's: ``application/json`` or a ``+json`` type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def _param(item: dict[str, Any]) -> str | None:

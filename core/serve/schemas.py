@@ -65,6 +65,9 @@ UNSUPPORTED = (
     "presence_penalty",
 )
 
+# The value of a field above that asks for nothing: "none" chooses no tool.
+ASKS_NOTHING = {"tool_choice": "none", "function_call": "none"}
+
 
 class ChunkRef(BaseModel):
     """One chunk: its id (content hash when omitted) and its exact text."""
@@ -247,7 +250,11 @@ class GenerationBody(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """The fields of this body that ask for what the engine cannot do."""
         extra = self.model_extra or {}
-        asked = [name for name in UNSUPPORTED if extra.get(name) not in (None, False, [], {})]
+        asked = [
+            name
+            for name in UNSUPPORTED
+            if extra.get(name) not in (None, False, [], {}, ASKS_NOTHING.get(name))
+        ]
         if extra.get("response_format") not in (None, {"type": "text"}):
             asked.append("response_format")
         if extra.get("best_of") not in (None, 1):  # completions' default is 1
