@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import unicodedata
 
-import httpx
-
 from chunkcache.core.errors import UsageError
 
 __all__ = ["check_api_key", "server_root"]
@@ -26,6 +24,8 @@ def server_root(base_url: str, name: str = "base_url") -> str:
     1-65535, a query or fragment (the API paths would land inside them), or
     ``user:password@`` (it would replace the ``api_key`` and show in error messages); a
     TypeError when it is not a string."""
+    import httpx  # here, not at the top: chunkcache.core imports this module without it
+
     if not isinstance(base_url, str):
         raise TypeError(f"{name} must be a str, got {type(base_url).__name__}")
     root = base_url.strip().rstrip("/").removesuffix("/v1")
