@@ -261,7 +261,7 @@ def _caused_by_user(error: Exception) -> bool:
     """What a user causes: chunkcache's own errors (ModelLoadError and UsageError among
     them), settings pydantic refuses, and a file named that cannot be used.  Anything
     else, a plain ValueError included, is a bug and keeps its traceback."""
-    if isinstance(error, ChunkCacheError):
+    if isinstance(error, ChunkCacheError) or _missing_extra(error) is not None:
         return True
     if isinstance(error, OSError):
         return error.filename is not None
@@ -286,7 +286,29 @@ def _one_line(error: Exception) -> str:
         return f"invalid {invalid.title}: " + "; ".join(fields)
     if isinstance(error, OSError) and error.filename is not None:
         return f"{error.filename}: {error.strerror}"
+    if (extra := _missing_extra(error)) is not None:
+        return f"this command needs {error.name}, not installed: pip install 'chunkcache[{extra}]'"
     return str(error)
+
+
+# The extra (pyproject.toml) that installs each optional module a command may import.
+_EXTRA_OF = {
+    **dict.fromkeys(("torch", "transformers", "gguf", "accelerate", "safetensors"), "engine"),
+    **dict.fromkeys(("numpy", "filelock", "pydantic", "pydantic_settings", "tqdm"), "engine"),
+    **dict.fromkeys(("fastapi", "starlette", "uvicorn", "httpx", "anyio", "psutil"), "server"),
+    **dict.fromkeys(("langchain_core", "langchain_chroma", "chromadb"), "langchain"),
+    "llama_index": "llama-index",
+    **dict.fromkeys(("faiss", "sentence_transformers"), "vectorstores"),
+    "redis": "redis",
+    "matplotlib": "bench",
+}
+
+
+def _missing_extra(error: Exception) -> str | None:
+    """The extra to install when ``error`` is a module of one that is not installed."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return None
+    return _EXTRA_OF.get(error.name.split(".")[0])
 
 
 if __name__ == "__main__":

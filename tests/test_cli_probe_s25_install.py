@@ -51,3 +51,26 @@ def test_core_imports_and_works_without_any_extra() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) is True
+
+
+def test_the_cli_without_the_server_extra_says_what_to_install() -> None:
+    """``chunkcache --help`` must not need fastapi or httpx (the server extra); ``bench
+    serve`` and ``serve`` name the extra they need, in one line."""
+    done = run_bare(
+        """
+        from chunkcache.core.cli import main
+        try:
+            main(["--help"])
+        except SystemExit as end:
+            print("help", end.code)
+        for command in (["bench", "serve", "--duration", "1"], ["serve", "--port", "0"]):
+            try:
+                main(command)
+            except SystemExit as end:
+                print(command[0], end.code)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-3:] == ["help 0", "bench 1", "serve 1"]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("not installed: pip install 'chunkcache[") == 2, done.stderr

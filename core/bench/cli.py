@@ -206,9 +206,28 @@ def add_bench_parser(commands: Any) -> None:
     vllm.add_argument("--out", type=report_dir, default=REPORTS, help="report folder")
     vllm.set_defaults(run=_vllm)
     _add_summary_parser(bench)
-    from chunkcache.core.serve.loadtest_run import add_bench_serve_parser
+    try:
+        from chunkcache.core.serve.loadtest_run import add_bench_serve_parser
+    except ModuleNotFoundError as missing:  # no server extra: the rest of the CLI still works
+        _add_unavailable_parser(bench, "serve", missing)
+    else:
+        add_bench_serve_parser(bench)
 
-    add_bench_serve_parser(bench)
+
+def _add_unavailable_parser(bench: Any, name: str, missing: ModuleNotFoundError) -> None:
+    """``name`` as a command that raises ``missing`` when run (the CLI says what to install)."""
+    parser = bench.add_parser(
+        name,
+        help=f"(needs {missing.name}, not installed)",
+        add_help=False,
+        prefix_chars="\0",  # no options: any argument, --flags included, is taken as it is
+    )
+    parser.add_argument("arguments", nargs="*")
+
+    def refuse(args: argparse.Namespace) -> None:
+        raise missing
+
+    parser.set_defaults(run=refuse)
 
 
 def _add_rag_parser(bench: Any) -> None:
