@@ -64,11 +64,14 @@ class ModelSpec:
         return min(self.max_positions, self.sliding_window)
 
     @classmethod
-    def from_config(cls, config: Any, architecture: str) -> ModelSpec:
+    def from_config(cls, config: Any, architecture: str | None) -> ModelSpec:
+        """The spec of ``config``; ``architecture`` names the model class in errors (a GGUF's
+        config has none)."""
         if config.model_type not in SUPPORTED_MODEL_TYPES:
+            model_type = f"model_type {config.model_type!r}"
             raise ModelLoadError(
-                f"{architecture} (model_type {config.model_type!r}) is not supported; "
-                f"chunkcache runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+                f"{f'{architecture} ({model_type})' if architecture else model_type} is not "
+                f"supported; chunkcache runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -219,7 +222,7 @@ def _load(
             ) from e
         raise ModelLoadError(f"cannot read the model config at {where}: {one_line(e)}") from e
     # Refuse an unsupported architecture or RoPE before reading any weights.
-    spec = ModelSpec.from_config(config, (getattr(config, "architectures", None) or ["?"])[0])
+    spec = ModelSpec.from_config(config, (getattr(config, "architectures", None) or [None])[0])
     rope_from_config(config, spec.head_dim)
     weights = weights_digest(directory, gguf_file)
     try:  # before the weights: it fails faster

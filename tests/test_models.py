@@ -18,6 +18,7 @@ from chunkcache.core.model_forward import prefill
 from chunkcache.core.models import (
     ONEDNN_SHAPE_CACHE_ENTRIES,
     LoadedModel,
+    ModelSpec,
     load_model,
     rope_from_config,
 )
@@ -84,8 +85,14 @@ def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
 def test_other_architectures_are_refused(tmp_path: Path) -> None:
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="not supported"):
+    with pytest.raises(ModelLoadError, match=r"^GPT2LMHeadModel \(model_type 'gpt2'\) is not"):
         _load(tmp_path)
+
+
+def test_a_config_without_architectures_names_its_model_type() -> None:
+    """A GGUF's config lists no architectures: the error names the model type alone."""
+    with pytest.raises(ModelLoadError, match=r"^model_type 'gpt2' is not supported; "):
+        ModelSpec.from_config(GPT2Config(), None)
 
 
 def test_corrupt_weights_are_a_clear_error(checkpoint: Path) -> None:
