@@ -133,9 +133,13 @@ def load_chroma_corpus(
     root = chroma_database(persist_dir)
     import chromadb
     from chromadb.config import Settings
-    from chromadb.errors import NotFoundError
+    from chromadb.errors import InternalError, NotFoundError
 
-    client = chromadb.PersistentClient(path=root, settings=Settings(anonymized_telemetry=False))
+    try:
+        settings = Settings(anonymized_telemetry=False)
+        client = chromadb.PersistentClient(path=root, settings=settings)
+    except InternalError as error:  # e.g. "file is not a database": damaged, or not Chroma's
+        raise UserCorpusError(f"cannot open the Chroma database in {root}: {error}") from error
     try:
         collection = client.get_collection(collection_name, embedding_function=embedding_function)
     except NotFoundError as error:

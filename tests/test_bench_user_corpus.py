@@ -164,6 +164,12 @@ def test_chroma_errors(tmp_path):
         load_chroma_corpus(tmp_path, "other")
 
 
+def test_chroma_a_damaged_database_is_a_clear_error(tmp_path):
+    (tmp_path / "chroma.sqlite3").write_bytes(b"not a database")
+    with pytest.raises(UserCorpusError, match=r"cannot open the Chroma database .*not a database"):
+        load_chroma_corpus(tmp_path, "notes")
+
+
 def test_chroma_refuses_a_folder_without_a_database_and_leaves_it_alone(tmp_path):
     (tmp_path / "typo").mkdir()
     with pytest.raises(UserCorpusError, match=r"typo has no database \(chroma\.sqlite3\)"):
