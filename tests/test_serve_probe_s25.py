@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_backend import FakeBackend
+from test_serve_cancel import metric
 from tiny_models import tiny_lm
 
 from chunkcache.core.engine import ChunkEngine
@@ -79,14 +80,6 @@ def test_choosing_no_tool_is_taken(fake_url: str, field: str) -> None:
     assert response.status_code == 200, response.text
     auto = httpx.post(f"{fake_url}/v1/chat/completions", json={**body, field: "auto"})
     assert auto.status_code == 400 and auto.json()["error"]["param"] == field
-
-
-def metric(client: httpx.Client, name: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        if sample == name:
-            return float(value)
-    return 0.0
 
 
 def test_a_streaming_client_that_leaves_the_local_backend_frees_its_place(local_url: str) -> None:

@@ -40,8 +40,9 @@ def test_pending_writes_forget_the_oldest_past_the_limit() -> None:
 
 
 class _FlakyShared(MemoryTier):
-    """A shared tier that can be taken down; it tells ``up_listeners`` when it is back, and
-    goes down again after ``puts_left`` puts if that is set."""
+    """A shared tier (as Redis: self-evicting) that can be taken down; it tells
+    ``up_listeners`` when it is back, goes down again after ``puts_left`` puts if that is
+    set, and counts the puts it took (``num_puts``)."""
 
     self_evicting = True
 
@@ -50,6 +51,7 @@ class _FlakyShared(MemoryTier):
         self.up = True
         self.up_listeners: list[Callable[[], None]] = []
         self.puts_left: int | None = None
+        self.num_puts = 0
 
     def back(self) -> None:
         self.up = True
@@ -58,6 +60,9 @@ class _FlakyShared(MemoryTier):
 
     def __contains__(self, key: EntryKey) -> bool:
         return self.up and super().__contains__(key)
+
+    def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
+        return super().get(key, fingerprint) if self.up else None
 
     def put(
         self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
@@ -68,6 +73,7 @@ class _FlakyShared(MemoryTier):
             return False
         if self.puts_left is not None:
             self.puts_left -= 1
+        self.num_puts += 1
         return super().put(key, fingerprint, variant, victim, evicted)
 
 

@@ -9,16 +9,15 @@ with a prefix, a conversation's exact past) puts the exact variant under the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
+from test_store_backfill import _FlakyShared
 from test_store_support import FP, make_variant, same_kv
 
 from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.store import DiskTier, MemoryTier, TieredKVStore
 from chunkcache.core.store.codec import EntryKey, entry_key
 from chunkcache.core.store.lazy import LazyKVVariant
-from chunkcache.core.store.tier import Evicted, Victim
 
 SIZE = make_variant("x").num_bytes
 CTX = "after-a-chunk"
@@ -50,37 +49,6 @@ def header_mtime(tmp_path: Path) -> int:
     return header.stat().st_mtime_ns
 
 
-class _Shared(MemoryTier):
-    """A shared tier (as Redis: self-evicting, says when it is back) that can go down."""
-
-    self_evicting = True
-
-    def __init__(self) -> None:
-        super().__init__("shared", 10**6)
-        self.up = True
-        self.up_listeners: list[Callable[[], None]] = []
-        self.num_puts = 0
-
-    def back(self) -> None:
-        self.up = True
-        for listener in self.up_listeners:
-            listener()
-
-    def __contains__(self, key: EntryKey) -> bool:
-        return self.up and super().__contains__(key)
-
-    def get(self, key: EntryKey, fingerprint: str) -> KVVariant | None:
-        return super().get(key, fingerprint) if self.up else None
-
-    def put(
-        self, key: EntryKey, fingerprint: str, variant: KVVariant, victim: Victim, evicted: Evicted
-    ) -> bool:
-        if not self.up:
-            return False
-        self.num_puts += 1
-        return super().put(key, fingerprint, variant, victim, evicted)
-
-
 # -- write-through -------------------------------------------------------------------------
 
 
@@ -95,7 +63,7 @@ def test_write_through_replaces_an_older_variant_on_disk(tmp_path: Path) -> None
 
 
 def test_write_through_replaces_an_older_variant_in_a_shared_tier() -> None:
-    shared = _Shared()
+    shared = _FlakyShared()
     store = TieredKVStore([MemoryTier("host", 10 * SIZE), shared], write_through=True)
     store.put(FP, approximate())
     store.put(FP, exact())
@@ -173,7 +141,7 @@ def test_a_prefetch_read_before_a_newer_put_does_not_replace_it(tmp_path: Path) 
 
 
 def test_backfill_replaces_the_older_variant_the_shared_tier_kept() -> None:
-    shared = _Shared()
+    shared = _FlakyShared()
     store = TieredKVStore([MemoryTier("host", 10 * SIZE), shared], write_through=True)
     store.put(FP, approximate())
     store.flush()
@@ -188,7 +156,7 @@ def test_backfill_replaces_the_older_variant_the_shared_tier_kept() -> None:
 
 
 def test_backfill_skips_what_the_shared_tier_already_holds() -> None:
-    shared = _Shared()
+    shared = _FlakyShared()
     store = TieredKVStore([MemoryTier("host", 10 * SIZE), shared], write_through=True)
     store.put(FP, exact())
     store.flush()
