@@ -286,7 +286,7 @@ def _one_line(error: Exception) -> str:
         return f"invalid {invalid.title}: " + "; ".join(fields)
     if isinstance(error, OSError) and error.filename is not None:
         return f"{error.filename}: {error.strerror}"
-    if (extra := _missing_extra(error)) is not None:
+    if isinstance(error, ModuleNotFoundError) and (extra := _missing_extra(error)) is not None:
         return f"this command needs {error.name}, not installed: pip install 'chunkcache[{extra}]'"
     return str(error)
 

@@ -81,7 +81,7 @@ class ModelSpec:
         if layer_types is not None and "sliding_attention" not in layer_types:
             window = None  # e.g. Qwen2 with use_sliding_window=False
         return cls(
-            architecture=architecture,
+            architecture=architecture or config.model_type,
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
