@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -18,9 +19,19 @@ from chunkcache.core.chunk_ids import normalize_text
 from chunkcache.core.segmenter import ChunkSegment, Segment
 from chunkcache.core.text_matcher import TextIndex
 
-# What repr() and JSON write for a character: \n \t \r \' \" \\ and \uXXXX.
-_BACKSLASH_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|[ntr'\"\\])")
-_BACKSLASHED = {"n": "\n", "t": "\t", "r": "\r", "'": "'", '"': '"', "\\": "\\"}
+# What repr() and JSON write for a character: \n \t \r \' \" \\, \b \f (JSON), and \xXX
+# \uXXXX \UXXXXXXXX (repr writes \xa0 for a no-break space, JSON \f for a form feed).
+_BACKSLASH_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[ntrbf'\"\\])")
+_BACKSLASHED = {
+    "n": "\n",
+    "t": "\t",
+    "r": "\r",
+    "b": "\b",
+    "f": "\f",
+    "'": "'",
+    '"': '"',
+    "\\": "\\",
+}
 
 
 class EscapedChunksWarning(UserWarning):
@@ -55,4 +66,7 @@ def _unescaped_forms(prompt: str) -> list[str]:
 
 def _unescape_one(escape: re.Match[str]) -> str:
     code = escape.group(1)
-    return chr(int(code[1:], 16)) if code[0] == "u" else _BACKSLASHED[code]
+    if code[0] not in "xuU":
+        return _BACKSLASHED[code]
+    code_point = int(code[1:], 16)
+    return chr(code_point) if code_point <= sys.maxunicode else escape.group(0)
