@@ -19,6 +19,11 @@ segment of a prompt, when it is text, is tokenized as given, and every other seg
 (every chunk, wherever it sits, so its tokens stay position independent) without that
 prefix.  Whether a tokenizer prepends is read once from its ``tokenizers`` backend; a
 tokenizer without one (a custom or slow tokenizer) is used as it is.
+
+A chunk is retrieved data, never markup: text in it that spells a special token
+(``<|im_start|>``, ``<|endoftext|>``) is tokenized as the characters it is, not as the
+control token, so a retrieved document cannot open a turn of its own in the chat
+template.  The app's own text around the chunks (the template) keeps its special tokens.
 """
 
 from __future__ import annotations
@@ -60,9 +65,12 @@ def _without_prefix(node: Any) -> Any:
     return node
 
 
-def _unprefixed_backend(tokenizer: Any) -> Any | None:
+def _unprefixed_backend(tokenizer: Any, *, special_as_text: bool = False) -> Any | None:
     """A copy of ``tokenizer``'s ``tokenizers`` backend that prepends nothing to a text, or
-    None when it prepends nothing already (or has no such backend)."""
+    None when there is no such backend, or it prepends nothing already and
+    ``special_as_text`` asks for nothing else.  With ``special_as_text`` it tokenizes
+    special-token text as plain text: a copy of its own, as transformers sets that flag on
+    the shared backend at every call (two threads asking differently would race)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -74,10 +82,11 @@ def _unprefixed_backend(tokenizer: Any) -> Any | None:
         "normalizer": _without_prefix(config.get("normalizer")),
         "pre_tokenizer": _without_prefix(config.get("pre_tokenizer")),
     }
-    if bare == config:
+    if bare == config and not special_as_text:
         return None
     unprefixed = Tokenizer.from_str(json.dumps({**bare, "truncation": None, "padding": None}))
-    unprefixed.encode_special_tokens = backend.encode_special_tokens  # not in the json
+    # Not in the json: the tokenizer's own setting, unless special tokens are text here.
+    unprefixed.encode_special_tokens = special_as_text or backend.encode_special_tokens
     return unprefixed
 
 
@@ -88,6 +97,7 @@ class SegmentTokenizer:
         self.tokenizer = tokenizer
         self.max_cached_chunks = max_cached_chunks
         self._unprefixed = _unprefixed_backend(tokenizer)
+        self._chunk_backend = _unprefixed_backend(tokenizer, special_as_text=True)
         self._chunks: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -121,9 +131,17 @@ class SegmentTokenizer:
             if ids is not None:
                 self._chunks.move_to_end(key)
                 return ids
-        ids = self.encode(text)
+        ids = self._encode_chunk(text)
         with self._lock:
             self._chunks[key] = ids
             while len(self._chunks) > self.max_cached_chunks:
                 self._chunks.popitem(last=False)
         return ids
+
+    def _encode_chunk(self, text: str) -> tuple[int, ...]:
+        """A chunk's token ids: as :meth:`encode` inside a prompt, special-token text as text."""
+        check_unicode(text)
+        if self._chunk_backend is None:  # no tokenizers backend: transformers' own switch
+            encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+            return tuple(encoded["input_ids"])
+        return tuple(self._chunk_backend.encode(text, add_special_tokens=False).ids)
