@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
 from chunkcache.core.errors import PromptTooLongError
-from chunkcache.core.segmenter import Segment
+from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
 
 Policy = Literal["full", "prefix", "reuse", "cacheblend", "cachecraft"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -116,6 +116,10 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        wrong = [s for s in self.segments if not isinstance(s, TextSegment | ChunkSegment)]
+        if isinstance(self.segments, str) or wrong:
+            found = self.segments if isinstance(self.segments, str) else wrong[0]
+            raise TypeError(f"segments must be TextSegment or ChunkSegment, got {found!r:.80}")
         if not _is_real(self.recompute_ratio) or not 0 <= self.recompute_ratio <= 1:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
 

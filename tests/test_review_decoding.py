@@ -214,6 +214,13 @@ def test_a_bad_recompute_ratio_is_a_value_error() -> None:
             GenerationRequest([TextSegment("hi")], recompute_ratio=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("segments", ["a prompt", ["a prompt"], [TextSegment("hi"), None]])
+def test_segments_that_are_not_segments_are_a_type_error(segments: Any) -> None:
+    """Before: accepted, and an AttributeError deep in the backend at the first token."""
+    with pytest.raises(TypeError, match="segments must be TextSegment or ChunkSegment"):
+        GenerationRequest(segments)
+
+
 # A backend on the tiny model: what it reports when a stop string cuts.
 
 
