@@ -187,7 +187,7 @@ def test_special_token_text_in_a_chunk_is_text(chunk_first: bool) -> None:
     by_kind = {s.is_chunk: s.ids for s in SegmentTokenizer(tokenizer)(segments)}
     special = set(tokenizer.all_special_ids)
     assert not special & set(by_kind[True])
-    assert tokenizer.decode(by_kind[True]) == INJECTED
+    assert tokenizer.decode(list(by_kind[True])) == INJECTED
     assert by_kind[False][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
