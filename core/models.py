@@ -76,10 +76,6 @@ class ModelSpec:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            window = None  # e.g. Qwen2 with use_sliding_window=False
         return cls(
             architecture=architecture or config.model_type,
             num_layers=config.num_hidden_layers,
@@ -90,8 +86,23 @@ class ModelSpec:
             vocab_size=config.vocab_size,
             max_positions=config.max_position_embeddings,
             rope_parameters=dict(config.rope_parameters),
-            sliding_window=window,
+            sliding_window=_sliding_window(config),
         )
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The window transformers' attention applies for ``config``'s model type, None for none.
+
+    Each type reads its own keys: Llama never slides (a ``sliding_window`` in its config
+    is kept as an attribute and ignored), Mistral slides every layer by ``sliding_window``
+    (any ``layer_types`` ignored), Qwen2 only the layers its ``layer_types`` mark.
+    """
+    if config.model_type == "llama":
+        return None
+    layer_types = getattr(config, "layer_types", None) or ()
+    if config.model_type == "qwen2" and "sliding_attention" not in layer_types:
+        return None  # e.g. use_sliding_window=False
+    return getattr(config, "sliding_window", None)
 
 
 def rope_from_config(config: Any, head_dim: int, device: torch.device | str = "cpu") -> Rope:
