@@ -90,11 +90,13 @@ class Scheduler:
             self._cond.notify()
 
     def metrics(self) -> dict[str, float]:
-        """The counters, plus the ``waiting``, ``running`` and ``batch_size_mean`` gauges."""
+        """The counters, plus the ``waiting``, ``running`` (a request in its prefill too) and
+        ``batch_size_mean`` gauges: ``requests_total`` is always the ended requests
+        (finished, failed, cancelled) plus the waiting and running ones."""
         with self._cond:
             counts = dict(self._counts)
             counts["waiting"] = len(self._waiting)
-            counts["running"] = len(self._running)
+            counts["running"] = len(self._running) + self._starting  # a prefill runs too
         counts["batch_size_mean"] = counts["decode_rows_total"] / max(
             1, counts["decode_steps_total"]
         )
@@ -185,16 +187,14 @@ class Scheduler:
             )
             self._sample(job, job.prefilled.logits)
         except Exception as error:  # the request's own failure, e.g. PromptTooLongError
-            with self._cond:
-                self._starting = 0
             self._fail(job, error)
+            return
+        if job.done:
+            self._finish(job)
             return
         with self._cond:  # one step: its place moves from starting to running
             self._starting = 0
-            if not job.done:
-                self._running.append(job)
-        if job.done:
-            self._finish(job)
+            self._running.append(job)
 
     def _decode(self) -> None:
         """One batched decode step for every running job, then sample each one's next.
@@ -280,4 +280,6 @@ class Scheduler:
             self._service_s.append(now - job.admitted)
             if job in self._running:
                 self._running.remove(job)
+            else:  # it ended in its prefill: counted as starting until now, never unaccounted
+                self._starting = 0
         job.prefilled = None  # its KV (a conversation's own stays in the engine)
