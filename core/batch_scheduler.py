@@ -9,6 +9,7 @@ the batch between steps (nano-vllm's ``schedule -> run -> postprocess``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -22,6 +23,8 @@ from chunkcache.core.engine import ChunkEngine
 from chunkcache.core.errors import BackendUnavailableError, QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk
 from chunkcache.core.sampling import sample_token
+
+log = logging.getLogger(__name__)
 
 COUNTERS = (
     "requests_total",  # accepted by submit()
@@ -163,7 +166,11 @@ class Scheduler:
         segment once; measured 2026-11), and under the lock every submit and metrics read
         waited that long. Jobs queued meanwhile keep the lengths :meth:`put` was given; jobs
         cancelled or shed meanwhile are not admitted."""
-        counts = cached_counts(self.engine.store, self.engine.lm.fingerprint, contenders)
+        try:
+            counts = cached_counts(self.engine.store, self.engine.lm.fingerprint, contenders)
+        except Exception:  # a store that fails (a user's KVStore): order by the lengths at put
+            log.warning("chunkcache batching: reading cached lengths failed", exc_info=True)
+            counts = {}
         with self._cond:
             self._drop_cancelled_waiting()
             if not len(self._waiting):  # cancelled, or shed by shutdown(drain=False)

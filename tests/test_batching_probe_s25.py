@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from engine_support import hold_decode_steps
+from test_batch_admission import SCHEDULER, asking, queued_behind_one
 from test_batching import collect, request, wait_until
 from test_review_batching import TIMEOUT_S, alone, plain
 from tiny_models import tiny_lm
@@ -20,6 +22,7 @@ from chunkcache.core.batching import BatchingBackend
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
 from chunkcache.core.errors import ShuttingDownError
 from chunkcache.core.generation import GenerationRequest
+from chunkcache.core.kv_store import KVVariant, MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.segmenter import TextSegment
@@ -259,5 +262,39 @@ def test_two_hundred_requests_leave_no_state(lm: LoadedModel) -> None:
         assert engine.live_kvs() <= len(engine.remembered()) <= 4
         assert in_flight_adds_up(backend.metrics())
         assert backend.metrics()["requests_total"] == 200
+    finally:
+        assert backend.shutdown(timeout_s=TIMEOUT_S)
+
+
+class FailingOnceStore(MemoryKVStore):
+    """Once ``armed``, the scheduler thread's next lookup raises (a user's store failing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = threading.Event()
+
+    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+        if threading.current_thread().name == SCHEDULER and self.armed.is_set():
+            self.armed.clear()
+            raise ConnectionError("the store went away for a moment")
+        return super().variants(fingerprint, segment_id)
+
+
+def test_a_store_that_fails_during_admission_does_not_stop_the_scheduler(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission reads the waiting prompts' cached lengths from the store; a failure there
+    killed the scheduler thread, and with it every request then and after."""
+    store = FailingOnceStore()
+    backend = BatchingBackend(ChunkEngine(lm, store), max_queue=8, max_batch=1)
+    try:
+        steps = hold_decode_steps(monkeypatch)
+        go = next(steps)
+        handles = queued_behind_one(backend, [1, 2])
+        store.armed.set()
+        go.set()  # the running request ends: the next admission reads the store
+        assert all(collect(handle)[1].completion_tokens for handle in handles)
+        assert not store.armed.is_set()  # it did fail once
+        assert collect(backend.stream(asking(3)))[1].completion_tokens
     finally:
         assert backend.shutdown(timeout_s=TIMEOUT_S)
