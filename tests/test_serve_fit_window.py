@@ -86,7 +86,8 @@ def test_a_prompt_without_max_tokens_is_tokenized_once(served: Served) -> None:
     chunks = {"chunks": [{"id": "c1", "text": CHUNK}]}
     response = complete(client, prompt, temperature=0, chunkcache=chunks)
     assert response.status_code == 200, response.text
-    assert sorted(counting.texts) == sorted([f"{words(5)} ", CHUNK, f" {words(5, 60)}"])
+    # the text around the chunk; a chunk has a tokenizer of its own and its tokens are cached
+    assert sorted(counting.texts) == sorted([f"{words(5)} ", f" {words(5, 60)}"])
 
 
 @pytest.mark.parametrize(
