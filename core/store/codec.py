@@ -56,6 +56,7 @@ class EntryKey:
 
     @property
     def segment_key(self) -> tuple[str, str]:
+        """What every variant of one segment (chunk) of one model shares."""
         return (self.namespace, self.segment)
 
 
@@ -67,14 +68,17 @@ def digest(text: str, domain: str) -> str:
 
 
 def namespace_of(fingerprint: str) -> str:
+    """The hashed namespace of a model fingerprint: models never share entries."""
     return digest(fingerprint, "cc-fingerprint")
 
 
 def segment_of(segment_id: str) -> str:
+    """The hashed name of a prompt segment (a chunk id, or an id for a run of plain text)."""
     return digest(segment_id, "cc-segment")
 
 
 def entry_key(fingerprint: str, segment_id: str, context: str) -> EntryKey:
+    """The key of one variant: ``segment_id`` computed after ``context`` by one model."""
     return EntryKey(
         namespace_of(fingerprint), segment_of(segment_id), digest(context, "cc-context")
     )
@@ -202,10 +206,12 @@ def decode(data: bytes, header: dict[str, Any], fingerprint: str, key: EntryKey)
 
 
 def header_bytes(header: dict[str, Any]) -> bytes:
+    """An entry's header as stored: canonical JSON (sorted keys), never pickle."""
     return json.dumps(header, sort_keys=True).encode()
 
 
 def parse_header(raw: bytes) -> dict[str, Any]:
+    """A stored header read back; :class:`CorruptEntryError` unless a JSON object."""
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:

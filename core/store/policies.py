@@ -76,6 +76,8 @@ class EvictionPolicy:
 
 
 class LRUPolicy(EvictionPolicy):
+    """Evict the least recently used entry."""
+
     name = "lru"
 
     def sort_key(self, key: EntryKey, stats: EntryStats) -> tuple[float, ...]:
@@ -83,6 +85,8 @@ class LRUPolicy(EvictionPolicy):
 
 
 class LFUPolicy(EvictionPolicy):
+    """Evict the least frequently used entry (the least recently used among ties)."""
+
     name = "lfu"
 
     def sort_key(self, key: EntryKey, stats: EntryStats) -> tuple[float, ...]:
@@ -102,6 +106,7 @@ class PGDSFPolicy(EvictionPolicy):
         self._priority: dict[EntryKey, float] = {}
 
     def cost_per_token(self, stats: EntryStats) -> float:
+        """The entry's measured prefill cost per token, else the default estimate."""
         measured = stats.cost_per_token
         if measured is not None:
             return measured
@@ -112,6 +117,7 @@ class PGDSFPolicy(EvictionPolicy):
         self._priority[key] = self.clock + max(1, stats.frequency) * self.cost_per_token(stats)
 
     def priority(self, key: EntryKey, stats: EntryStats) -> float:
+        """The entry's PGDSF priority (lowest is evicted first)."""
         if key not in self._priority:
             self.touched(key, stats)
         return self._priority[key]

@@ -31,6 +31,8 @@ FINGERPRINT = "simulated-model"
 
 @dataclass(frozen=True)
 class ReplayResult:
+    """One eviction policy's counts over a replayed request trace."""
+
     policy: str
     capacity_bytes: int
     lookups: int
@@ -39,6 +41,7 @@ class ReplayResult:
 
     @property
     def hit_rate(self) -> float:
+        """Hits per lookup (0 when nothing was looked up)."""
         return self.hits / self.lookups if self.lookups else 0.0
 
 
