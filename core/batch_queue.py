@@ -16,7 +16,7 @@ import torch
 from chunkcache.core.engine import Prefilled, TokenSegment
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
-from chunkcache.core.kv_store import KVStore
+from chunkcache.core.kv_store import KVStore, MemoryKVStore
 from chunkcache.core.store.reorder import CacheAwareQueue
 from chunkcache.core.store.tiered import TieredKVStore
 from chunkcache.core.text_stream import TextStream
@@ -145,8 +145,8 @@ def cached_tokens(
     store: KVStore, fingerprint: str, segments: Sequence[TokenSegment]
 ) -> tuple[int, int]:
     """RAGCache's cached and computation lengths of a waiting prompt, estimated from the store:
-    a segment counts as cached when any variant of it is stored (no loading, no LRU touch for
-    a tiered store). Selective recompute and a conversation's own past are not counted."""
+    a segment counts as cached when any variant of it is stored (no loading, and no LRU touch
+    in our stores). Selective recompute and a conversation's own past are not counted."""
     return _count(segments, functools.partial(_holds, store, fingerprint))
 
 
@@ -166,6 +166,7 @@ def _count(segments: Sequence[TokenSegment], holds: Callable[[str], bool]) -> tu
 
 
 def _holds(store: KVStore, fingerprint: str, segment_id: str) -> bool:
-    if isinstance(store, TieredKVStore):
+    # Asking must not count as a use: waiting prompts' chunks would jump the LRU order.
+    if isinstance(store, TieredKVStore | MemoryKVStore):
         return store.contains_segment(fingerprint, segment_id)
     return bool(store.variants(fingerprint, segment_id))

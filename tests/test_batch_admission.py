@@ -9,13 +9,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 from engine_support import RecordingEngine, hold_decode_steps
 from test_batching import collect, wait_until
 from tiny_models import tiny_lm
 
 from chunkcache.core import batch_queue
 from chunkcache.core.batching import BatchingBackend
-from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.engine import ChunkEngine, TokenSegment
 from chunkcache.core.errors import ShuttingDownError
 from chunkcache.core.generation import GenerationRequest, SamplingParams
 from chunkcache.core.kv_store import KVStore, KVVariant, MemoryKVStore
@@ -49,12 +50,12 @@ class HeldStore(MemoryKVStore):
         super().__init__()
         self.hold, self.held, self.release = threading.Event(), threading.Event(), threading.Event()
 
-    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+    def contains_segment(self, fingerprint: str, segment_id: str) -> bool:
         if threading.current_thread().name == SCHEDULER and self.hold.is_set():
             self.hold.clear()
             self.held.set()
             assert self.release.wait(timeout=TIMEOUT_S)
-        return super().variants(fingerprint, segment_id)
+        return super().contains_segment(fingerprint, segment_id)
 
 
 @pytest.fixture
@@ -166,3 +167,22 @@ def test_each_admission_looks_each_distinct_segment_up_once(
     finally:
         assert backend.shutdown(timeout_s=TIMEOUT_S)
     assert len(lookups) == 5 + 4
+
+
+def test_reading_cached_lengths_leaves_the_memory_stores_eviction_order() -> None:
+    """Admission asks which segments are stored for every waiting prompt, often ones that
+    never run soon; that must not make their chunks the most recently used and evict the
+    chunks running requests just used."""
+    store = MemoryKVStore(capacity_bytes=3 * variant("x").num_bytes)
+    for name in ("old", "mid", "new"):
+        store.put("fp", variant(name))
+    segments = [TokenSegment("old", (1, 2), True)]
+    assert batch_queue.cached_tokens(store, "fp", segments) == (2, 0)
+    store.put("fp", variant("next"))  # evicts the least recently used
+    assert store.variants("fp", "old") == []
+    assert [len(store.variants("fp", name)) for name in ("mid", "new", "next")] == [1, 1, 1]
+
+
+def variant(segment_id: str) -> KVVariant:
+    """A small stored KV of two tokens."""
+    return KVVariant(segment_id, "ctx", 0, True, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))

@@ -22,7 +22,7 @@ from chunkcache.core.batching import BatchingBackend
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
 from chunkcache.core.errors import ShuttingDownError
 from chunkcache.core.generation import GenerationRequest
-from chunkcache.core.kv_store import KVVariant, MemoryKVStore
+from chunkcache.core.kv_store import MemoryKVStore
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
 from chunkcache.core.segmenter import TextSegment
@@ -273,11 +273,11 @@ class FailingOnceStore(MemoryKVStore):
         super().__init__()
         self.armed = threading.Event()
 
-    def variants(self, fingerprint: str, segment_id: str) -> list[KVVariant]:
+    def contains_segment(self, fingerprint: str, segment_id: str) -> bool:
         if threading.current_thread().name == SCHEDULER and self.armed.is_set():
             self.armed.clear()
             raise ConnectionError("the store went away for a moment")
-        return super().variants(fingerprint, segment_id)
+        return super().contains_segment(fingerprint, segment_id)
 
 
 def test_a_store_that_fails_during_admission_does_not_stop_the_scheduler(
