@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from chunkcache.core.bench.report import tail_label
+
 Verdict = Literal["win", "loss", "even"]
 Report = dict[str, Any]
 
@@ -59,9 +61,10 @@ def engine_findings(report: Report) -> list[Finding]:
                 Finding(
                     "engine",
                     "loss",
-                    f"{blend} computes {share:.0%} of the prompt's token-layers but takes "
-                    f"{ratio:.2f}x full prefill's time: {ratio / share:.1f}x what its compute "
-                    "share alone would cost.",
+                    f"{blend} computes {share:.0%} of the prompt's token-layers (mean over "
+                    f"prompts, quality part) but takes {ratio:.2f}x full prefill's time "
+                    "(median of per-prompt ratios, speed part): "
+                    f"{ratio / share:.1f}x what its compute share alone would cost.",
                     "Cut the per-row cost of recomputing scattered rows (attention over a "
                     "merged KV, K/V moves): that overhead, not the ratio, holds TTFT up.",
                 )
@@ -133,13 +136,15 @@ def store_findings(report: Report) -> list[Finding]:
             )
         )
     if "full" in configs:
-        speedup = configs["full"]["ratio_to_host"]
+        full = configs["full"]
+        speedup = full["ratio_to_host"]  # median over (prompt, round) pairs of full / host
+        pairs = f"median of {full['samples']} paired" if "samples" in full else "paired median of"
         found.append(
             Finding(
                 "store",
                 verdict_of(1 / speedup),
                 f"A prompt whose 5 chunks are all host-memory hits reaches its first token "
-                f"{speedup:.1f}x sooner than with no cache.",
+                f"{speedup:.1f}x sooner than with no cache ({pairs} measurements).",
             )
         )
     rows = report.get("hit_rates", {}).get("rows", [])
@@ -345,7 +350,8 @@ def serve_findings(report: Report) -> list[Finding]:
             f"{counts['rejected_429']} answered 429, {counts['errors']} errors, "
             f"{counts['lost']} lost, {counts['answered_twice']} answered twice; "
             f"{throughput['requests_per_s']:.2f} requests/s, TTFT p50 "
-            f"{ttft.get('p50', 0):.2f} s and p99 {ttft.get('p99', 0):.2f} s.",
+            f"{ttft.get('p50', 0):.2f} s and {tail_label([ttft.get('n')])} "
+            f"{ttft.get('p99', 0):.2f} s.",
             None if report["ok"] else "Find what failed or lost requests under load.",
         )
     ]

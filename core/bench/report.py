@@ -26,6 +26,28 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
 
 
+# Below this many values a nearest-rank p99 is the largest one (rank ceil(0.99 n) = n).
+TAIL_SAMPLES = 100
+
+
+def tail_label(counts: Iterable[int | None]) -> str:
+    """How a report names a nearest-rank p99 of table rows over ``counts`` values each:
+    ``p99 (n=250)``; ``max (n=30)`` where every row has fewer than :data:`TAIL_SAMPLES`
+    values, as it then is their maximum; ``p99 (n not recorded)`` for a report that did
+    not record a count."""
+    listed = list(counts)
+    known = [n for n in listed if n is not None]
+    if not known or len(known) < len(listed):
+        return "p99 (n not recorded)"
+    low, high = min(known), max(known)
+    n = f"n={low}" if low == high else f"n={low}-{high}"
+    if low >= TAIL_SAMPLES:
+        return f"p99 ({n})"
+    if high < TAIL_SAMPLES:
+        return f"max ({n})"
+    return f"p99, max where n < {TAIL_SAMPLES} ({n})"
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """Mean, median and p99 of ``values``."""
     return {

@@ -49,13 +49,14 @@ def summary_markdown(folder: Path) -> str:
             missing.append(name)
             continue
         report = json.loads(path.read_text())
-        stamped = _stamped_part(report)
-        environment = dict(stamped.get("environment", {}))
-        command = stamped.get("command") or MAKE_TARGETS.get(name, f"chunkcache bench {name}")
-        lines.append(
-            f"| [{name}]({name}.md) | {TITLES.get(name, name)} | `{command}` "
-            f"| {environment.get('commit', 'not stamped')} | {_machine(environment)} |"
-        )
+        for part, stamped in _stamped_parts(report):
+            environment = dict(stamped.get("environment", {}))
+            command = stamped.get("command") or MAKE_TARGETS.get(name, f"chunkcache bench {name}")
+            label = f"[{name}]({name}.md)" + (f", part `{part}`" if part else "")
+            lines.append(
+                f"| {label} | {TITLES.get(name, name)} | `{command}` "
+                f"| {environment.get('commit', 'not stamped')} | {_machine(environment)} |"
+            )
         # Label each finding with its report's name (two reports may share a finder).
         findings.extend(replace(f, report=name) for f in finder(report))
     for verdict, heading in VERDICT_HEADINGS.items():
@@ -78,13 +79,18 @@ def write_summary(folder: Path) -> Path:
     return path
 
 
-def _stamped_part(report: dict[str, Any]) -> dict[str, Any]:
-    """The part of the report whose command and environment the table shows: the report
-    itself, or for a two-part report its speed part (command and commit of the same run)."""
-    for part in (report, report.get("speed", {}), report.get("quality", {})):
-        if isinstance(part, dict) and isinstance(part.get("environment"), dict):
-            return part
-    return report
+def _stamped_parts(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """What the table stamps, one row each: ``("", report)`` for a report of one run, or
+    each part a run of its own recorded (the engine report's parts may come from runs at
+    different commits, each with its command and environment)."""
+    if isinstance(report.get("environment"), dict):
+        return [("", report)]
+    parts = [
+        (name, part)
+        for name, part in report.items()
+        if isinstance(part, dict) and isinstance(part.get("environment"), dict)
+    ]
+    return parts or [("", report)]
 
 
 def _machine(environment: dict[str, str]) -> str:

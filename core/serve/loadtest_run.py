@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from chunkcache.core.bench.cli import POSITIVE, positive_float, report_dir
-from chunkcache.core.bench.report import environment, percentile, write_report
+from chunkcache.core.bench.report import environment, percentile, tail_label, write_report
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.json_shapes import clip, json_object
 from chunkcache.core.serve.loadtest import (
@@ -149,6 +149,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     return {
+        "n": len(values),
         "p50": percentile(values, 0.5),
         "p99": percentile(values, 0.99),
         "mean": statistics.fmean(values),
@@ -179,6 +180,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The report as markdown."""
     c, cfg, env = results["counts"], results["config"], results["environment"]
     ttft, lat, mem, tp = (results[k] for k in ("ttft_s", "latency_s", "memory", "throughput"))
+    ttft_tail, lat_tail = (tail_label([stats.get("n")]) for stats in (ttft, lat))
     lines = [
         "# chunkcache serve: load test over loopback",
         "",
@@ -196,7 +198,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"| {c['requests']} | {c['completed']} | {c['rejected_429']} | {c['errors']} | "
         f"{c['lost']} | {c['answered_twice']} | {c['server_disagrees']} |",
         "",
-        "| throughput | TTFT p50 | TTFT p99 | latency p50 | latency p99 | cached tokens |",
+        f"| throughput | TTFT p50 | TTFT {ttft_tail} | latency p50 | latency {lat_tail} | "
+        "cached tokens |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} tok/s | "
         f"{ttft.get('p50', 0):.2f} s | {ttft.get('p99', 0):.2f} s | {lat.get('p50', 0):.2f} s | "
