@@ -86,6 +86,17 @@ def test_rag_throughput_column_says_it_is_the_queue_simulation_s() -> None:
     assert "| queue req/s |" in text and "| throughput/s |" not in text
 
 
+def test_rag_report_says_when_nothing_was_skipped() -> None:
+    """An empty heading left a reader wondering whether the list was lost."""
+    report = {**published("rag"), "skipped": []}
+    assert rag_report.markdown(report).endswith("## Skipped\n\n- nothing\n")
+
+
+def test_serve_report_says_its_cached_column_is_a_share_of_prompt_tokens() -> None:
+    loadtest_run = pytest.importorskip("chunkcache.core.serve.loadtest_run")
+    assert "| cached share of prompt tokens |" in loadtest_run.markdown(_serve_results(40))
+
+
 def _serve_results(ttft_n: int | None) -> dict[str, Any]:
     report = published("serve")
     for key in ("ttft_s", "latency_s"):

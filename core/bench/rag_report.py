@@ -104,7 +104,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for workload, result in report["workloads"].items():
         lines += _workload_section(workload, result, report.get("plots", {}).get(workload, []))
-    lines += ["", "## Skipped", ""] + [f"- {line}" for line in report["skipped"]]
+    lines += ["", "## Skipped", ""] + [f"- {line}" for line in report["skipped"] or ["nothing"]]
     return "\n".join(lines) + "\n"
 
 

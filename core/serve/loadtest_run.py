@@ -199,7 +199,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{c['lost']} | {c['answered_twice']} | {c['server_disagrees']} |",
         "",
         f"| throughput | TTFT p50 | TTFT {ttft_tail} | latency p50 | latency {lat_tail} | "
-        "cached tokens |",
+        "cached share of prompt tokens |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| {tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} tok/s | "
         f"{ttft.get('p50', 0):.2f} s | {ttft.get('p99', 0):.2f} s | {lat.get('p50', 0):.2f} s | "
