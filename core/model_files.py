@@ -146,6 +146,7 @@ def _convert_default(target: Path) -> None:
     try:
         model.save_pretrained(partial)  # also writes generation_config.json
         tokenizer.save_pretrained(partial)
+        _readable_as_umask_allows(partial)
         partial.replace(target)  # atomic: a half-written copy is never taken for the model
     except Exception as error:
         # safetensors and tokenizers report a failed write (a full disk) with errors of their
@@ -153,6 +154,18 @@ def _convert_default(target: Path) -> None:
         raise OSError(one_line(error)) from error
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _readable_as_umask_allows(directory: Path) -> None:
+    """Give every file in ``directory`` the mode the umask gives a new file: safetensors
+    writes its weights 0600, so a shared cache's other users could not load them."""
+    probe = directory / ".mode-probe"
+    probe.touch()  # mode 0666 less the umask (read here without setting it: no race)
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _remove(path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -374,3 +375,18 @@ def test_several_gguf_files_in_a_directory_are_named(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match=r"several \.gguf files \(a\.gguf, b\.gguf\)"):
         _load(tmp_path)
+
+
+def test_the_converted_copy_is_readable_as_the_umask_allows(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors writes its file 0600: a cache shared by a team (or a serving account
+    other than the one that pulled) could read the config but not the weights."""
+    FakeConversion(monkeypatch)
+    old = os.umask(0o022)
+    try:
+        target = pull_default_model()
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in target.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644
