@@ -30,3 +30,15 @@ def write_files(contents: Mapping[Path, str | bytes]) -> None:
     finally:
         for temp in temporary.values():
             temp.unlink(missing_ok=True)
+
+
+def new_file_mode(directory: Path) -> int:
+    """The permission bits a file newly created in ``directory`` gets: 0666 less the umask
+    (read by creating one, since reading the umask means setting it, which races threads).
+    Files made with :mod:`tempfile` (0600) take these before they replace shared ones."""
+    probe = directory / f".mode-probe-{secrets.token_hex(6)}"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from chunkcache.core.atomic_files import write_files
+from chunkcache.core.atomic_files import new_file_mode, write_files
 from chunkcache.core.errors import ChunkCacheError
 from chunkcache.core.paths import home_path, home_subdir, is_utf8
 
@@ -159,10 +159,7 @@ def _convert_default(target: Path) -> None:
 def _readable_as_umask_allows(directory: Path) -> None:
     """Give every file in ``directory`` the mode the umask gives a new file: safetensors
     writes its weights 0600, so a shared cache's other users could not load them."""
-    probe = directory / ".mode-probe"
-    probe.touch()  # mode 0666 less the umask (read here without setting it: no race)
-    mode = probe.stat().st_mode & 0o777
-    probe.unlink()
+    mode = new_file_mode(directory)
     for path in directory.iterdir():
         if path.is_file():
             path.chmod(mode)

@@ -130,7 +130,7 @@ def hold(lock: Path) -> int | None:
         import fcntl
     except ImportError:
         return None
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 
@@ -142,7 +142,7 @@ def remove_unheld(chroma_dir: Path) -> bool:
     except ImportError:
         return False
     lock = lock_path(chroma_dir)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

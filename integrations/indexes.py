@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import numpy as np
 
+from chunkcache.core.atomic_files import new_file_mode
 from chunkcache.core.corpus import CorpusChunk, load_corpus
 from chunkcache.core.paths import home_subdir
 from chunkcache.integrations.chroma_files import check_hnsw_files, hold, lock_path, remove_unheld
@@ -289,6 +290,7 @@ class _CorpusIndexes:
         ever takes it for a leftover."""
         handle, lock = tempfile.mkstemp(prefix="chroma-", suffix=".lock", dir=self.directory)
         os.close(handle)
+        os.chmod(lock, new_file_mode(self.directory))  # other users of the cache lock it too
         path = Path(lock.removesuffix(".lock"))
         self._hold(path)
         client = None
@@ -450,6 +452,7 @@ def _replacing(path: Path) -> Iterator[Path]:
     os.close(handle)
     try:
         yield Path(name)
+        os.chmod(name, new_file_mode(path.parent))  # mkstemp's 0600 would hide it from others
         os.replace(name, path)
     finally:
         Path(name).unlink(missing_ok=True)

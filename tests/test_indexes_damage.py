@@ -202,3 +202,18 @@ def test_a_damaged_index_another_process_uses_is_left_to_it(tmp_path: Path) -> N
     _closed_chroma_dir(rebuilt)
     assert _hits(indexes._CorpusIndexes(chunks, tmp_path)) == expected
     assert not damaged.exists() and not lock_path(damaged).exists()  # gone with its user
+
+
+@pytest.mark.usefixtures("embed_calls")
+def test_index_files_get_the_mode_the_umask_gives_new_files(tmp_path: Path) -> None:
+    """Temporary files are created 0600; replacing the index's files with them left a
+    shared cache unreadable (and its locks unopenable) by every other account."""
+    old = os.umask(0o002)  # a team's shared cache: group-writable
+    try:
+        built = indexes._CorpusIndexes(load_corpus()[:40], tmp_path)
+        _hits(built)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in built.directory.iterdir() if p.is_file()}
+    assert {"embeddings.npy", "ids.json", "faiss.index", "chroma.current"} <= set(modes)
+    assert set(modes.values()) == {0o664}, modes
