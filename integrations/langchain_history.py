@@ -41,13 +41,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import ConfigurableFieldSpec, Runnable, RunnableConfig
-from langchain_core.runnables.base import RunnableBindingBase
+from langchain_core.runnables.base import RunnableBinding, RunnableBindingBase
 from langchain_core.runnables.fallbacks import RunnableWithFallbacks
 
 from chunkcache.core.chat_turns import (
@@ -63,12 +64,13 @@ from chunkcache.integrations.langchain_chat_turns import (
     SESSION_ID,
     ChatTurns,
     InMemoryChatHistory,
+    PromptBudget,
     SessionHistory,
     Turn,
     history_lookup,
     prompt_budget,
 )
-from chunkcache.integrations.langchain_llm import conversation_key
+from chunkcache.integrations.langchain_llm import TURN_CONVERSATION_KEY, conversation_key
 
 __all__ = [
     "DEFAULT_TURN_TEMPLATE",
@@ -135,7 +137,9 @@ def with_chunk_history(
     ``RunnableWithMessageHistory`` called it: with ``config["configurable"]["session_id"]``,
     or with the ids of the ``history_factory_config`` fields as keyword arguments, or with
     nothing when it takes no argument.  Those values are the conversation, passed to the
-    retriever as its ``conversation_id``; a retriever wrapped by ``with_config`` works.
+    retriever as its ``conversation_id`` (a retriever wrapped by ``with_config`` works) and
+    to a ``ChunkCacheLLM`` in ``chain`` through its config, unless the app set a
+    ``conversation_id`` there that is not one of those keys.
     ``max_history_turns`` (None: no limit) bounds the earlier turns a prompt carries:
     past it the oldest go in one step, keeping the newest ``(max_history_turns + 1) // 2``,
     so the cached prefix breaks once every few turns rather than every turn.  Trimming
@@ -162,130 +166,192 @@ def with_chunk_history(
         raise ValueError(f"max_history_turns must be >= 1, got {max_history_turns}")
     specs = list(history_factory_config or [SESSION_ID])
     history_keys = [spec.id for spec in specs]
-    history_of = history_lookup(get_session_history, history_keys)
-    chunk_retriever = _chunk_cache_retriever(retriever)
-    budget = prompt_budget(chain)
-    drops_repeats = chunk_retriever is not None and chunk_retriever.dedupe == "drop"
+    turns = _ChunkHistoryTurns(
+        retriever,
+        history_lookup(get_session_history, history_keys),
+        history_keys,
+        _TurnLayout(question_key, history_key, turn_key, turn_template, document_separator),
+        max_history_turns,
+        prompt_budget(chain),
+    )
+    config_specs = [*chain.config_specs, *retriever.config_specs, *specs]
+    # ChatTurns runs the chain with the turn's config; this adds the turn's conversation.
+    chain_in_turn = RunnableBinding(bound=chain, config_factories=[turns.chain_config])
+    return ChatTurns(chain_in_turn, turns.start, turns.astart, output_messages_key, config_specs)
 
-    def conversation_of(config: RunnableConfig) -> str | None:
+
+@dataclass(frozen=True)
+class _TurnLayout:
+    """Where a turn reads its question and puts the chain's inputs, and how it writes
+    its user message (see :func:`with_chunk_history`)."""
+
+    question_key: str
+    history_key: str
+    turn_key: str
+    turn_template: str
+    document_separator: str
+
+    def question_in(self, inputs: dict[str, Any]) -> str:
+        if self.question_key not in inputs:
+            raise KeyError(
+                f"with_chunk_history reads the question from input key {self.question_key!r} "
+                f"(question_key=); the input has {sorted(inputs)}"
+            )
+        return str(inputs[self.question_key])
+
+    def turn_of(
+        self,
+        inputs: dict[str, Any],
+        history: SessionHistory,
+        earlier: list[BaseMessage],
+        documents: list[Document],
+    ) -> Turn:
+        """The turn asking ``inputs``' question over ``documents``, after ``earlier``."""
+        question = self.question_in(inputs)
+        text = format_turn(question, documents, self.turn_template, self.document_separator)
+        chunk_ids = [doc.metadata["chunk_id"] for doc in documents if "chunk_id" in doc.metadata]
+        asked: list[BaseMessage] = [
+            HumanMessage(content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids})
+        ]
+        chain_input = {**inputs, self.turn_key: asked, self.history_key: earlier}
+        return Turn(history, chain_input, asked)
+
+
+class _ChunkHistoryTurns:
+    """How :func:`with_chunk_history` starts a turn: load and trim the history, sync the
+    retriever's ledger to it, retrieve, and drop the oldest turns until the prompt fits.
+    ``start`` and ``astart`` are the same steps, the second awaiting the I/O."""
+
+    def __init__(
+        self,
+        retriever: Runnable[str, list[Document]],
+        history_of: Callable[[RunnableConfig], SessionHistory],
+        history_keys: list[str],
+        layout: _TurnLayout,
+        max_history_turns: int | None,
+        budget: PromptBudget | None,
+    ) -> None:
+        self.retriever = retriever
+        self.chunk_retriever = _chunk_cache_retriever(retriever)
+        self.history_of = history_of
+        self.history_keys = history_keys
+        self.layout = layout
+        self.max_history_turns = max_history_turns
+        self.budget = budget
+        self.drops_repeats = (
+            self.chunk_retriever is not None and self.chunk_retriever.dedupe == "drop"
+        )
+
+    def start(self, inputs: dict[str, Any], config: RunnableConfig) -> Turn:
+        """The turn for ``inputs``, its history trimmed to fit (and saved so)."""
+        question = self.layout.question_in(inputs)
+        history = self.history_of(config)
+        began = earlier = self.prepare(history, config)
+        documents = self.retriever.invoke(question, config, **self.retrieval_kwargs(config))
+        turn = self.layout.turn_of(inputs, history, earlier, documents)
+        fitted = self.fits(turn)
+        while not fitted and earlier:
+            earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
+            if retrieve_again:
+                with replanning():  # this turn's request is counted already
+                    kwargs = self.retrieval_kwargs(config)
+                    documents = self.retriever.invoke(question, config, **kwargs)
+            turn = self.layout.turn_of(inputs, history, earlier, documents)
+            fitted = self.fits(turn)
+        if earlier is not began and fitted:
+            _save(history, list(earlier))  # a copy, as prepare's
+        elif earlier is not began:  # the backend refuses the prompt: the turn changes nothing
+            self.sync_ledger(began, config)
+        return turn
+
+    async def astart(self, inputs: dict[str, Any], config: RunnableConfig) -> Turn:
+        """:meth:`start`, awaiting the history, the retriever and the count."""
+        question = self.layout.question_in(inputs)
+        history = self.history_of(config)
+        began = earlier = await self.aprepare(history, config)
+        documents = await self.retriever.ainvoke(question, config, **self.retrieval_kwargs(config))
+        turn = self.layout.turn_of(inputs, history, earlier, documents)
+        fitted = await asyncio.to_thread(self.fits, turn)
+        while not fitted and earlier:
+            earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
+            if retrieve_again:
+                with replanning():
+                    kwargs = self.retrieval_kwargs(config)
+                    documents = await self.retriever.ainvoke(question, config, **kwargs)
+            turn = self.layout.turn_of(inputs, history, earlier, documents)
+            fitted = await asyncio.to_thread(self.fits, turn)
+        if earlier is not began and fitted:
+            await _asave(history, list(earlier))
+        elif earlier is not began:
+            self.sync_ledger(began, config)
+        return turn
+
+    def conversation_of(self, config: RunnableConfig) -> str | None:
         """The conversation a turn belongs to: its history's key values (the session id by
         default); the retriever dedupes against it, whatever keys the app names."""
         configurable = config.get("configurable", {})
-        if any(key not in configurable for key in history_keys):
+        if any(key not in configurable for key in self.history_keys):
             return None
-        values = [str(configurable[key]) for key in history_keys]
+        values = [str(configurable[key]) for key in self.history_keys]
         return conversation_key(values[0] if len(values) == 1 else json.dumps(values))
 
-    def sync_ledger(messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
-        conversation_id = conversation_of(config)
-        if chunk_retriever is not None and conversation_id is not None:
-            cache = chunk_retriever.cache
+    def chain_config(self, config: RunnableConfig) -> RunnableConfig:
+        """What a turn adds to the chain's config: its conversation, for a ``ChunkCacheLLM``
+        (or retriever) in the chain to name it as the retriever here does.  Not when the app
+        set a ``conversation_id`` beside other history keys: that one is its choice."""
+        conversation_id = self.conversation_of(config)
+        configurable = config.get("configurable", {})
+        chosen = "conversation_id" in configurable and "conversation_id" not in self.history_keys
+        if conversation_id is None or chosen:
+            return {}
+        return {"configurable": {TURN_CONVERSATION_KEY: conversation_id}}
+
+    def retrieval_kwargs(self, config: RunnableConfig) -> dict[str, Any]:
+        """The retriever's ``conversation_id``, when it is one of ours (else nothing)."""
+        if self.chunk_retriever is None:
+            return {}
+        return {"conversation_id": self.conversation_of(config)}
+
+    def sync_ledger(self, messages: Sequence[BaseMessage], config: RunnableConfig) -> None:
+        """Reset the conversation's ledger to the chunks ``messages`` still hold."""
+        conversation_id = self.conversation_of(config)
+        if self.chunk_retriever is not None and conversation_id is not None:
+            cache = self.chunk_retriever.cache
             held = held_chunk_ids(messages, _is_user, _text_of, cache.registry.get)
             cache.ledger.replace(conversation_id, held)
 
-    def prepare(history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
+    def prepare(self, history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
         """The earlier messages this turn's prompt carries, trimmed (in the history too)."""
         messages = history.messages
-        kept = trimmed(messages, max_history_turns, _is_user)
+        kept = trimmed(messages, self.max_history_turns, _is_user)
         if len(kept) < len(messages):
             _save(history, kept)
-        sync_ledger(kept, config)
+        self.sync_ledger(kept, config)
         return list(kept)  # a copy: saving this turn must not change the chain's input
 
-    async def aprepare(history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
+    async def aprepare(self, history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
         messages = await history.aget_messages()
-        kept = trimmed(messages, max_history_turns, _is_user)
+        kept = trimmed(messages, self.max_history_turns, _is_user)
         if len(kept) < len(messages):
             await _asave(history, kept)
-        sync_ledger(kept, config)
+        self.sync_ledger(kept, config)
         return list(kept)
 
-    def fits(chain_input: dict[str, Any]) -> bool:
+    def fits(self, turn: Turn) -> bool:
         """Whether the chain's prompt fits the context window (True when not counted)."""
-        return budget is None or budget.fits(chain_input)
+        return self.budget is None or self.budget.fits(turn.chain_input)
 
     def drop_oldest_turns(
-        earlier: list[BaseMessage], config: RunnableConfig
+        self, earlier: list[BaseMessage], config: RunnableConfig
     ) -> tuple[list[BaseMessage], bool]:
         """``earlier`` less its older half of turns, as ``max_history_turns`` trims, with
         the ledger synced to it (not yet the history: the trim may not be kept); and whether
         the retriever must run again: it drops repeats, and chunks it may have left out of
         this turn left the prompt with those turns."""
         kept = halved(earlier, _is_user)
-        sync_ledger(kept, config)
+        self.sync_ledger(kept, config)
         lost = not set(chunk_ids_in(earlier)) <= set(chunk_ids_in(kept))
-        return kept, drops_repeats and lost
-
-    def turn_messages(documents: list[Document], question: str) -> list[BaseMessage]:
-        text = format_turn(question, documents, turn_template, document_separator)
-        chunk_ids = [doc.metadata["chunk_id"] for doc in documents if "chunk_id" in doc.metadata]
-        return [HumanMessage(content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids})]
-
-    def question_in(inputs: dict[str, Any]) -> str:
-        if question_key not in inputs:
-            raise KeyError(
-                f"with_chunk_history reads the question from input key {question_key!r} "
-                f"(question_key=); the input has {sorted(inputs)}"
-            )
-        return str(inputs[question_key])
-
-    def conversation_kwargs(config: RunnableConfig) -> dict[str, Any]:
-        """The retriever's ``conversation_id``, when it is one of ours (else nothing)."""
-        return {} if chunk_retriever is None else {"conversation_id": conversation_of(config)}
-
-    def turn_of(
-        inputs: dict[str, Any],
-        history: SessionHistory,
-        earlier: list[BaseMessage],
-        documents: list[Document],
-    ) -> Turn:
-        asked = turn_messages(documents, question_in(inputs))
-        return Turn(history, {**inputs, turn_key: asked, history_key: earlier}, asked)
-
-    def start(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
-        question = question_in(inputs)
-        history = history_of(config)
-        began = earlier = prepare(history, config)
-        documents = retriever.invoke(question, config, **conversation_kwargs(config))
-        turn = turn_of(inputs, history, earlier, documents)
-        fitted = fits(turn.chain_input)
-        while not fitted and earlier:
-            earlier, retrieve_again = drop_oldest_turns(earlier, config)
-            if retrieve_again:
-                with replanning():  # this turn's request is counted already
-                    documents = retriever.invoke(question, config, **conversation_kwargs(config))
-            turn = turn_of(inputs, history, earlier, documents)
-            fitted = fits(turn.chain_input)
-        if earlier is not began and fitted:
-            _save(history, list(earlier))  # a copy, as prepare's
-        elif earlier is not began:  # the backend refuses the prompt: the turn changes nothing
-            sync_ledger(began, config)
-        return turn
-
-    async def astart(inputs: dict[str, Any], config: RunnableConfig) -> Turn:
-        question = question_in(inputs)
-        history = history_of(config)
-        began = earlier = await aprepare(history, config)
-        documents = await retriever.ainvoke(question, config, **conversation_kwargs(config))
-        turn = turn_of(inputs, history, earlier, documents)
-        fitted = await asyncio.to_thread(fits, turn.chain_input)
-        while not fitted and earlier:
-            earlier, retrieve_again = drop_oldest_turns(earlier, config)
-            if retrieve_again:
-                with replanning():
-                    documents = await retriever.ainvoke(
-                        question, config, **conversation_kwargs(config)
-                    )
-            turn = turn_of(inputs, history, earlier, documents)
-            fitted = await asyncio.to_thread(fits, turn.chain_input)
-        if earlier is not began and fitted:
-            await _asave(history, list(earlier))
-        elif earlier is not began:
-            sync_ledger(began, config)
-        return turn
-
-    config_specs = [*chain.config_specs, *retriever.config_specs, *specs]
-    return ChatTurns(chain, start, astart, output_messages_key, config_specs)
+        return kept, self.drops_repeats and lost
 
 
 def _save(history: SessionHistory, messages: list[BaseMessage]) -> None:

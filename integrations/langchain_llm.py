@@ -348,10 +348,18 @@ def conversation_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# with_chunk_history names a conversation by the app's history keys, whatever they are, and
+# passes that name to the chain under this key, so the LLM and the retriever agree on it.
+TURN_CONVERSATION_KEY = "chunkcache_conversation_id"
+
+
 def config_conversation_id(config: RunnableConfig | None) -> str | None:
-    """The conversation id in ``config["configurable"]`` (``conversation_id``, ``session_id``
-    or ``thread_id``, the first one set), as :func:`conversation_key` names it."""
-    found = conversation_id_from(ensure_config(config).get("configurable"))
+    """The conversation id in ``config["configurable"]`` (``chunkcache_conversation_id``,
+    set by ``with_chunk_history``, else ``conversation_id``, ``session_id`` or ``thread_id``,
+    the first one set), as :func:`conversation_key` names it."""
+    configurable = ensure_config(config).get("configurable", {})
+    found = configurable.get(TURN_CONVERSATION_KEY)
+    found = conversation_id_from(configurable) if found is None else str(found)
     return None if found is None else conversation_key(found)
 
 
