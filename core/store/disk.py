@@ -25,12 +25,17 @@ behind compute (:mod:`chunkcache.core.store.lazy`).  The byte index is rebuilt f
 directory on open, and again whenever another process changed the directory (``.epoch``),
 so capacity holds across processes (:class:`~chunkcache.core.store.disk_index.DiskIndex`:
 paths, index, locks, sweep; this module: entry IO).
+
+A directory this process cannot write (a pre-warmed cache on a read-only volume or baked
+into an image) opens read-only, with one warning: its entries are read as ever, and a put
+(write-through, demotion) is skipped as one that cannot fit, never an error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -47,6 +52,7 @@ from chunkcache.core.store.tier import Evicted, Victim
 
 __all__ = ["LAYOUT", "DiskTier", "PreparedWrite"]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,20 @@ class DiskTier:
         self.root = Path(root)
         self._index = DiskIndex(self.root)  # sweeps and scans the directory
         self.data_root = self._index.data_root
+        if self._index.read_only_reason is not None:
+            log.warning(
+                "the %s tier's directory %s is read-only (%s): the %d entries there are "
+                "served, nothing is written there",
+                name,
+                self.root,
+                self._index.read_only_reason,
+                len(self._index),
+            )
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the directory cannot be written: entries are read, puts are skipped."""
+        return self._index.read_only_reason is not None
 
     @property
     def num_bytes(self) -> int:
@@ -78,6 +98,8 @@ class DiskTier:
         return len(self._index)
 
     def __contains__(self, key: EntryKey) -> bool:
+        if self._index.forgotten(key):
+            return False
         try:
             return all(path.exists() for path in self._index.paths(key))
         except OSError:  # a failing disk (EIO, EACCES, NFS ESTALE): get/put count the failure
@@ -92,11 +114,12 @@ class DiskTier:
             names = os.listdir(folder)
         except OSError:  # absent, or the disk fails: get/put count the failure
             return []
-        return [
+        keys = [
             EntryKey(namespace, segment, n[:-5])
             for n in names
             if n.endswith(".json") and not n.startswith(".")  # not a writer's temp file
         ]
+        return [key for key in keys if not self._index.forgotten(key)]
 
     def reuse_of(self, key: EntryKey) -> ReuseCount | None:
         """The reuse counters saved in an entry's header (for a policy that needs them)."""
@@ -123,7 +146,9 @@ class DiskTier:
 
     def prepare(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> PreparedWrite | None:
         """The slow part of :meth:`put`, no lock held: encode and write the temp files
-        (fsynced).  None if the entry can never fit."""
+        (fsynced).  None if the entry can never fit, or the directory is read-only."""
+        if self.read_only:
+            return None
         data, header = codec.encode(fingerprint, variant)
         raw = codec.header_bytes(header)
         if len(data) + len(raw) > self.capacity_bytes:
@@ -152,8 +177,8 @@ class DiskTier:
                     self._index.remove_files(out)
                 os.replace(tmp_data, data_path)
                 os.replace(tmp_header, header_path)  # the commit
+                self._index.added(key, size)  # in place, even if the fsync below fails
                 _fsync_dir(data_path.parent)
-                self._index.added(key, size)
         finally:
             for tmp in (tmp_data, tmp_header):
                 with contextlib.suppress(FileNotFoundError):

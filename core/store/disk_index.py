@@ -5,11 +5,17 @@ entry's two paths, keeps the byte index (rebuilt from the directory on open, and
 whenever another process changed it: ``.epoch``), holds the thread lock and the file lock
 for changes (:meth:`DiskIndex.locked`), and sweeps what killed writers and older formats
 left behind.  Entry IO (encode, decode, lazy opens) is the tier's.
+
+A directory this process cannot write (a read-only mount, a cache baked into an image,
+permissions) opens read-only (:attr:`DiskIndex.read_only_reason`): no file lock, no sweep,
+no epoch, and an entry "removed" (corrupt, or replaced by a newer variant) is only forgotten
+by this process, since its files cannot be deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import threading
@@ -22,6 +28,8 @@ from chunkcache.core.store import codec
 from chunkcache.core.store.codec import EntryKey
 
 LAYOUT = f"v{codec.FORMAT_VERSION}"
+# what a write meets in a directory this process may read but not write
+_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class DiskIndex:
@@ -30,15 +38,15 @@ class DiskIndex:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.data_root = root / LAYOUT
-        self.data_root.mkdir(parents=True, exist_ok=True)
         self._flock = FileLock(str(root / ".lock"))
         self._lock = threading.RLock()
         self._sizes: dict[EntryKey, int] = {}
         self._bytes = 0
         self._epoch = ""
-        with self.locked():
-            self._sweep()
-            self._rescan()
+        self._forgotten: set[EntryKey] = set()  # read-only: entries "removed" here
+        # why the directory cannot be written (the first write refused), or None
+        self.read_only_reason: str | None = None
+        self._open()
 
     @property
     def num_bytes(self) -> int:
@@ -51,6 +59,10 @@ class DiskIndex:
         with self._lock:
             return list(self._sizes)
 
+    def forgotten(self, key: EntryKey) -> bool:
+        """Whether a read-only directory's entry was removed for this process."""
+        return key in self._forgotten
+
     def paths(self, key: EntryKey) -> tuple[Path, Path]:
         """The entry's data and header files."""
         folder = self.data_root / key.namespace / key.segment[:2] / key.segment
@@ -58,12 +70,17 @@ class DiskIndex:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """This thread and process alone in the directory, with an index that is current."""
-        with self._lock, self._flock:
+        """This thread and process alone in the directory, with an index that is current.
+        The epoch is bumped even if the body failed midway: it may have changed files."""
+        read_only = self.read_only_reason is not None
+        with self._lock, contextlib.nullcontext() if read_only else self._flock:
             if _read_epoch(self.root) != self._epoch:
                 self._rescan()
-            yield
-            self._epoch = _bump_epoch(self.root)
+            try:
+                yield
+            finally:
+                if not read_only:
+                    self._epoch = _bump_epoch(self.root)
 
     def added(self, key: EntryKey, size: int) -> None:
         """``key`` was committed with ``size`` bytes (under :meth:`locked`)."""
@@ -71,24 +88,59 @@ class DiskIndex:
         self._bytes += size
 
     def remove_files(self, key: EntryKey) -> None:
-        """Uncommit and delete ``key`` (under :meth:`locked`)."""
-        data_path, header_path = self.paths(key)
-        for path in (header_path, data_path):  # uncommit first
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        """Uncommit and delete ``key`` (under :meth:`locked`); only forget it if read-only."""
+        if self.read_only_reason is not None:
+            self._forgotten.add(key)
+        else:
+            data_path, header_path = self.paths(key)
+            for path in (header_path, data_path):  # uncommit first
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         self._bytes -= self._sizes.pop(key, 0)
+
+    def _open(self) -> None:
+        """Create, sweep and scan the directory; read-only if this process may not write it.
+        A directory that does not exist and cannot be created is an ``OSError`` naming it."""
+        try:
+            self.data_root.mkdir(parents=True, exist_ok=True)
+            with self.locked():
+                self._check_writable()
+                self._sweep()
+                self._rescan()
+            return
+        except OSError as error:
+            if not self.root.is_dir():
+                raise OSError(
+                    error.errno,
+                    f"cannot create the disk tier's directory ({error.strerror})",
+                    str(self.root),
+                ) from error
+            if error.errno not in _READ_ONLY_ERRNOS:
+                raise
+            where = f": {error.filename}" if error.filename is not None else ""
+            self.read_only_reason = f"{error.strerror}{where}"
+        with self.locked():
+            self._rescan()
+
+    def _check_writable(self) -> None:
+        """Raise what a write here meets when this process may not write (EROFS, EACCES):
+        to the epoch file, and to a file of the layout (a writer's temp file name, so one
+        a killed process left is swept)."""
+        _open_to_write(self.root / ".epoch")
+        probe = self.data_root / f".tmp.{os.getpid()}.{threading.get_ident()}.probe"
+        _open_to_write(probe)
+        _unlink_quietly(probe)
 
     def _rescan(self) -> None:
         sizes: dict[EntryKey, int] = {}
         for header_path in self.data_root.glob("*/*/*/*.json"):
-            if header_path.name.startswith(".tmp."):
-                continue
             ns, _, seg = header_path.parts[-4:-1]
+            key = EntryKey(ns, seg, header_path.stem)
+            if header_path.name.startswith(".tmp.") or key in self._forgotten:
+                continue
             data_path = header_path.with_suffix(".safetensors")
             try:
-                sizes[EntryKey(ns, seg, header_path.stem)] = (
-                    header_path.stat().st_size + data_path.stat().st_size
-                )
+                sizes[key] = header_path.stat().st_size + data_path.stat().st_size
             except FileNotFoundError:
                 continue  # removed meanwhile, or a header without data: corrupt when read
         self._sizes = sizes
@@ -105,9 +157,24 @@ class DiskIndex:
         for path in self.data_root.glob("*/*/*/*"):
             if path.name.startswith(".tmp."):
                 if not _writer_alive(path.name):
-                    path.unlink(missing_ok=True)
+                    _unlink_quietly(path)
             elif path.suffix in (".safetensors", ".json") and not _pair(path).exists():
-                path.unlink(missing_ok=True)
+                _unlink_quietly(path)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _open_to_write(path: Path) -> None:
+    """Open ``path`` to write (created if absent), as a check: only a refusal to write is
+    raised; a full or failing disk opens writable, and each write counts its failure."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666))
+    except OSError as error:
+        if error.errno in _READ_ONLY_ERRNOS:
+            raise
 
 
 def _pair(path: Path) -> Path:
@@ -131,9 +198,14 @@ def _read_epoch(root: Path) -> str:
 
 
 def _bump_epoch(root: Path) -> str:
-    """Another value than any process saw, so every other process rescans."""
+    """Another value than any process saw, so every other process rescans.  A disk that
+    fails the write (full, turned read-only) fails no change made under the lock: "" then,
+    so this process rescans unless the file was left empty, when every other one does."""
     value = f"{os.getpid()}-{os.urandom(6).hex()}"
-    (root / ".epoch").write_text(value)
+    try:
+        (root / ".epoch").write_text(value)
+    except OSError:
+        return ""
     return value
 
 
