@@ -59,7 +59,7 @@ def _warm(args: argparse.Namespace) -> None:
     from chunkcache.core.engine import ChunkEngine
     from chunkcache.core.models import load_model
     from chunkcache.core.store.tiered import TieredKVStore
-    from chunkcache.core.store.warm import warm
+    from chunkcache.core.store.warm import check_keeps_writes, warm
     from chunkcache.core.user_corpus import load_chroma_corpus, load_text_folder
 
     if args.collection is not None and args.chroma is None:
@@ -74,9 +74,10 @@ def _warm(args: argparse.Namespace) -> None:
         chunks = load_chroma_corpus(args.chroma, collection)[: args.max_chunks]
     else:
         chunks = load_corpus(args.chunk_chars, args.max_chunks)
-    lm = load_model(args.model, dtype=getattr(torch, args.dtype))
     store = TieredKVStore.from_settings(settings.model_copy(update={"write_through": True}))
     try:
+        check_keeps_writes(store)  # before the model loads
+        lm = load_model(args.model, dtype=getattr(torch, args.dtype))
         report = warm(ChunkEngine(lm, store), chunks, args.prefix, args.policy)
     finally:
         store.close()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_store_readonly_s26 import ReadOnlyMount
 from tiny_models import save_tiny_checkpoint
 
 from chunkcache.core.cli import main
@@ -86,3 +87,21 @@ def test_warm_folder_stores_the_chunks_bench_rag_retrieves(
     namespace = namespace_of(lm.fingerprint)
     stored = {key.segment for key in disk.entry_keys() if key.namespace == namespace}
     assert stored == {segment_of(key) for key in keys_of(lm, chunks)}
+
+
+def test_warm_into_a_read_only_disk_tier_refuses_before_computing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only disk tier keeps nothing warm writes: computing every chunk and storing
+    none (behind one start-up warning) wasted the run and looked like success."""
+    model = save_tiny_checkpoint(tmp_path / "model")
+    write_texts(tmp_path / "texts")
+    monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path / "home"))
+    DiskTier(tmp_path / "home" / "kv", 10**6)  # the directory exists, then turns read-only
+    ReadOnlyMount(tmp_path / "home" / "kv", monkeypatch).on = True
+    computed: list[object] = []
+    monkeypatch.setattr(ChunkEngine, "prefill", lambda *args: computed.append(args))
+    with pytest.raises(SystemExit) as exited:
+        main(["warm", "--folder", str(tmp_path / "texts"), "--model", str(model)])
+    assert exited.value.code == 1 and not computed
+    assert "read-only" in capsys.readouterr().err

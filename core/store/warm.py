@@ -19,13 +19,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chunkcache.core.engine import ChunkEngine
+from chunkcache.core.errors import UsageError
 from chunkcache.core.generation import Policy
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
+from chunkcache.core.store.tier import MemoryTier
 from chunkcache.core.store.tiered import TieredKVStore
 from chunkcache.core.tokenization import SegmentTokenizer
 
 if TYPE_CHECKING:
     from chunkcache.core.corpus import CorpusChunk
+
+
+def check_keeps_writes(store: TieredKVStore) -> None:
+    """:class:`UsageError` unless a tier that outlives the process can keep what warm
+    computes: a disk tier opened read-only (a read-only mount) keeps nothing."""
+    lasting = [tier for tier in store.tiers if not isinstance(tier, MemoryTier)]
+    if lasting and all(getattr(tier, "read_only", False) for tier in lasting):
+        raise UsageError(
+            "warm has nowhere to keep what it computes: the store's disk tier is read-only "
+            f"({', '.join(str(getattr(tier, 'root', tier.name)) for tier in lasting)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ def warm(
         raise TypeError("warm needs the engine to run on a TieredKVStore")
     if engine.lm.tokenizer is None:
         raise ValueError("warm needs a model loaded with its tokenizer")
+    check_keeps_writes(store)
     tokenize = SegmentTokenizer(engine.lm.tokenizer)
     fingerprint = engine.lm.fingerprint
     started = time.perf_counter()
