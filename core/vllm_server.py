@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -151,10 +152,14 @@ def server_env(config: VllmServerConfig) -> dict[str, str]:
 @contextlib.contextmanager
 def vllm_server(config: VllmServerConfig | None = None) -> Iterator[VllmServer]:
     """Start ``vllm serve`` and wait until ``/health`` answers; stop it on exit."""
-    from chunkcache.core.model_files import pull_default_model
+    from chunkcache.core.model_files import ModelLoadError, pull_default_model
 
     config = config or VllmServerConfig()
     model_dir = config.model if config.model is not None else pull_default_model()
+    if not model_dir.exists():
+        # vLLM would read the path as a hub repo id and fail ~10 s later with a message
+        # about the id's form
+        raise ModelLoadError(f"no model at {model_dir}: vllm serve needs a checkpoint folder")
     port = free_port()
     args = server_args(config, model_dir, port)
     with tempfile.TemporaryDirectory(prefix="chunkcache-vllm-") as folder:
@@ -226,14 +231,14 @@ def _wait_healthy(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ChunkCacheError(f"vllm serve exited with {proc.returncode}:\n{_tail(log)}")
+            raise ChunkCacheError(f"vllm serve exited with {proc.returncode}{_why(log)}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise ChunkCacheError(f"vllm serve was not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+    raise ChunkCacheError(f"vllm serve was not healthy after {timeout_s:.0f} s{_why(log)}")
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
@@ -251,6 +256,22 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _tail(log: Path, lines: int = 40) -> str:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
+# The last line of a Python traceback ("ValueError: ..."), after the "(EngineCore pid=7)
+# ERROR 11-25 09:41:02 [core.py:1510] " vLLM puts before its processes' log lines.
+_ERROR_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(?:[A-Z]+ \S+ \S+ \[\S+\] )?(?:\w+\.)*\w*(?:Error|Exception): "
+)
+
+
+def _why(log: Path, lines: int = 40) -> str:
+    """The first Python error in the server's log, then its last ``lines`` lines.
+
+    When vLLM's engine fails to start, the reason is its worker's error, hundreds of lines
+    above the end (which says only "Engine core initialization failed. See root cause
+    above")."""
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    tail = "\n".join(text[-lines:])
+    first_error = next((line for line in text if _ERROR_LINE.match(line)), None)
+    if first_error is None:
+        return f"; its last lines:\n{tail}"
+    return f": {first_error.strip()[:1000]}\nits last lines:\n{tail}"
