@@ -7,19 +7,24 @@ before what changes.  This backend then sends the prompt as it is, text already
 rendered with the model's chat template, to ``/v1/completions`` and reports vLLM's
 cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
 
-The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
-cached tokens (and ``--enable-prefix-caching`` to have any).
-
 The context window: vLLM itself cuts ``max_tokens`` to the room a prompt leaves.  This
 backend keeps the local backends' rule instead (:func:`~chunkcache.core.generation.
 tokens_to_generate`): it reads the window once from ``GET /v1/models`` (``max_model_len``),
 counts the prompt's tokens with its tokenizer, and refuses a prompt that leaves no room, or
 no room for ``max_tokens`` unless the request sets ``fit_window``, before sending it.
 
-Errors: a ``base_url`` that is not an http(s) URL with a host -> ValueError when the backend
-is made (:func:`~chunkcache.core.urls.server_root`); a prompt over the context window ->
-:class:`PromptTooLongError`; a request the server refuses (400, 404, 413, 422) -> ValueError
-with its message (:class:`PromptTooLongError` for vLLM's context-length 400); the server
+The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
+cached tokens (and ``--enable-prefix-caching`` to have any); a server that does not report
+them is named once in a warning, as ``reused_tokens`` 0 then means unknown.
+
+Errors: a ``base_url`` that is not an http(s) URL with a host, or a ``timeout_s`` that is not
+a positive finite number -> ValueError when the backend is made
+(:func:`~chunkcache.core.urls.server_root`); a prompt or stop string with a lone surrogate ->
+:class:`InvalidTextError`, and ``seed`` 2**64 - 1 (vLLM reads its bits, -1, as no seed) ->
+ValueError, before anything is sent; a prompt over the context window ->
+:class:`PromptTooLongError`; a request the server refuses (400, 404, 413, 422), or an
+``api_key`` it does not take (401, 403) -> ValueError with its message
+(:class:`PromptTooLongError` for vLLM's context-length 400); the server
 unreachable, timing out or failing, or answering anything but a complete event stream of
 completion events (ending in ``data: [DONE]``, with the usage asked for) ->
 :class:`BackendUnavailableError` naming the server and the endpoint.
@@ -31,14 +36,17 @@ completion events (ending in ``data: [DONE]``, with the usage asked for) ->
 from __future__ import annotations
 
 import functools
+import math
 import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 
+from chunkcache.core.chunk_ids import check_unicode
 from chunkcache.core.errors import BackendUnavailableError, PromptTooLongError
 from chunkcache.core.generation import (
     GenerationChunk,
@@ -87,8 +95,11 @@ class VllmBackend:
     ) -> None:
         if not model:
             raise ValueError("model must name the model the vLLM server serves")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        # NaN or inf failed inside httpx at the first request, a bool read as 1 s
+        if isinstance(timeout_s, bool) or not (
+            isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.base_url = server_root(base_url)
         self.model_name = model
         self._server = f"vLLM at {self.base_url}"
@@ -103,6 +114,7 @@ class VllmBackend:
         )
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
+        self._warned_no_cached_tokens = False
 
     @property
     def tokenizer(self) -> Any:
@@ -154,11 +166,25 @@ class VllmBackend:
                 "(stream_options.include_usage)"
             )
         stats.total_s = time.perf_counter() - started
+        if not stats.extra["cached_tokens_reported"]:
+            self._warn_no_cached_tokens()
         yield GenerationChunk("", stats)
 
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()
+
+    def _warn_no_cached_tokens(self) -> None:
+        if self._warned_no_cached_tokens:
+            return
+        self._warned_no_cached_tokens = True
+        warnings.warn(
+            f"{self._server} does not report cached prompt tokens (start it with "
+            "--enable-prompt-tokens-details): reused_tokens and cache_read are 0 whatever "
+            "its prefix cache served",
+            UserWarning,
+            stacklevel=2,
+        )
 
     @functools.cached_property
     def context_window(self) -> int | None:
@@ -193,15 +219,24 @@ class VllmBackend:
             return PromptTooLongError(f"{self._server} refused the prompt: {message}")
         if status in (400, 404, 413, 422):
             return ValueError(f"{self._server} refused {where} ({status}): {message}")
+        if status in (401, 403):
+            # vLLM's --api-key: a retry, or a fallback as for a server that is down, cannot help
+            return ValueError(
+                f"{self._server} refused {where} ({status}): {message}; check the api_key "
+                "it was given"
+            )
         return BackendUnavailableError(f"{self._server} answered {where} with {status}: {message}")
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         params = request.sampling
+        # The ChunkCacheLLM side has ordered the chunks and laid out the conversation:
+        # the prompt is sent exactly as the segments spell it.
+        prompt = check_unicode("".join(segment.text for segment in request.segments))
+        for stop in params.stop:
+            check_unicode(stop)
         body: dict[str, Any] = {
             "model": self.model_name,
-            # The ChunkCacheLLM side has ordered the chunks and laid out the
-            # conversation: the prompt is sent exactly as the segments spell it.
-            "prompt": "".join(segment.text for segment in request.segments),
+            "prompt": prompt,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -219,7 +254,13 @@ class VllmBackend:
 
 def signed_seed(seed: int) -> int:
     """``seed`` (in [0, 2**64)) as the signed 64-bit integer with the same bits: vLLM takes
-    seeds in [-2**63, 2**63) and refuses the upper half of the unsigned range."""
+    seeds in [-2**63, 2**63) and refuses the upper half of the unsigned range.  Its -1
+    means no seed (vLLM's ``SamplingParams``), so 2**64 - 1 is a ValueError."""
+    if seed == 2**64 - 1:
+        raise ValueError(
+            "seed 2**64 - 1 cannot be sent to vLLM: it reads those bits (-1) as no seed "
+            "and would sample afresh on every call; choose another seed"
+        )
     return seed - 2**64 if seed >= 2**63 else seed
 
 

@@ -140,7 +140,7 @@ def test_request_body_is_the_joined_prompt_with_sampling_mapped() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seed", "sent"), [(0, 0), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1)]
+    ("seed", "sent"), [(0, 0), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 2, -2)]
 )
 def test_seeds_are_sent_in_vllms_signed_64_bit_range(seed: int, sent: int) -> None:
     server = FakeVllm()
