@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
 from chunkcache.core.cache import ChunkCache
+from chunkcache.core.chunk_ids import check_unicode
 from chunkcache.core.escaped_chunks import warn_if_escaped
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
@@ -211,7 +212,7 @@ def prompt_tokens(backend: Any, request: GenerationRequest) -> int:
     segment_tokenizer = getattr(backend, "segment_tokenizer", None)
     if segment_tokenizer is not None:
         return sum(len(segment.ids) for segment in segment_tokenizer(request.segments))
-    text = "".join(segment.text for segment in request.segments)
+    text = check_unicode("".join(segment.text for segment in request.segments))
     return len(backend.tokenizer.encode(text, add_special_tokens=False))
 
 

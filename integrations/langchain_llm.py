@@ -61,7 +61,7 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 from pydantic import Field, model_validator
 
 from chunkcache.core.cache import ChunkCache, default_cache
-from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.chunk_ids import check_unicode, chunk_id_for
 from chunkcache.core.errors import UsageError
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
@@ -260,7 +260,7 @@ class ChunkCacheLLM(BaseChatModel):
         segment_tokenizer = getattr(backend, "segment_tokenizer", None)
         if segment_tokenizer is not None:
             return list(segment_tokenizer.encode(text, at_start=True))
-        return list(backend.tokenizer.encode(text, add_special_tokens=False))
+        return list(backend.tokenizer.encode(check_unicode(text), add_special_tokens=False))
 
     def get_num_tokens_from_messages(
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None, **kwargs: Any

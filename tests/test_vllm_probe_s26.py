@@ -13,10 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
+from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import BackendUnavailableError, InvalidTextError
 from chunkcache.core.generation import GenerationRequest, SamplingParams
-from chunkcache.core.prompting import generate
+from chunkcache.core.prompting import generate, prompt_tokens
 from chunkcache.core.segmenter import TextSegment
+from chunkcache.integrations.langchain import ChunkCacheLLM
 from chunkcache.integrations.vllm import VllmBackend
 
 
@@ -124,3 +126,26 @@ def test_a_server_that_does_not_report_cached_tokens_is_named_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         generate(backend, ask())
+
+
+class StrictTokenizer:
+    """Fails on a lone surrogate as Hugging Face's fast tokenizers do (a TypeError)."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[str]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]") from None
+        return text.split()
+
+
+def test_counting_a_prompt_with_a_lone_surrogate_is_invalid_text() -> None:
+    """Token counting (the window check, LangChain's get_num_tokens) on a backend that
+    counts the whole prompt: InvalidTextError as generation gives, not the tokenizer's
+    TypeError."""
+    backend = VllmBackend("http://vllm.test", "smol", tokenizer=StrictTokenizer())
+    with pytest.raises(InvalidTextError, match="lone surrogate"):
+        prompt_tokens(backend, ask("half an emoji \ud83d"))
+    llm = ChunkCacheLLM(chunk_cache=ChunkCache(backend=backend))
+    with pytest.raises(InvalidTextError, match="lone surrogate"):
+        llm.get_num_tokens("half an emoji \ud83d")
