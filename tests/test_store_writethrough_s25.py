@@ -9,8 +9,10 @@ with a prefix, a conversation's exact past) puts the exact variant under the sam
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import pytest
 from test_store_backfill import _FlakyShared
 from test_store_support import FP, make_variant, same_kv
 
@@ -105,6 +107,25 @@ def test_demotion_still_swaps_out_the_same_variant_only_once(tmp_path: Path) -> 
     fill_host(store, 1)  # b evicted again: the disk copy is the same kind of variant
     assert header_mtime(tmp_path) == written
     assert store.metrics()["tiers"]["host"]["demotions"] == 2  # b once, filler0 once
+
+
+def test_a_newer_variant_the_disk_refuses_leaves_the_older_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newer variant's demotion fails (the disk filled up): the older copy below was
+    deleted first, so the chunk was lost from every tier; an approximate copy beats none."""
+    store = host_disk(tmp_path, host_entries=1, write_through=False)
+    store.put(FP, approximate())
+    fill_host(store, 1)  # the approximate variant moves down to disk
+    store.put(FP, exact())
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "prepare", full)
+    fill_host(store, 1)  # the exact one is evicted, and cannot be written down
+    held = store.variants(FP, "b")
+    assert len(held) == 1 and not held[0].exact and same_kv(held[0], approximate())
 
 
 # -- promotion and prefetch: a lower copy read before a newer put must not replace it ------

@@ -51,7 +51,7 @@ class TieredMoves(TieredStats):
 
     def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant, put: int) -> None:
         """Copy the variant of put number ``put`` to every lower tier; once every one holds
-        it, an eviction need not check their copies (:meth:`_drop_older_below`)."""
+        it, an eviction need not check their copies (:meth:`_demote_newer`)."""
         held = [self._write_down(i, key, fingerprint, variant) for i in range(1, len(self.tiers))]
         with self._lock:
             if all(held) and self._newer.get(key) == put:
@@ -204,35 +204,51 @@ class TieredMoves(TieredStats):
         self._metrics.tier(self.tiers[i].name, "evictions")
         self.policies[i].evicted(key, self._stats_of(key))
         lower = self.tiers[i + 1 :]
-        loaded = self._drop_older_below(i, key, loader) if lower and key in self._newer else None
+        above = any(key in tier for tier in self.tiers[:i])
+        if lower and key in self._newer and not above:  # above, the put one may still be
+            self._demote_newer(i, key, loader)
+            return
         if any(key in tier for tier in lower):
             return
-        loaded = loaded or (loader() if lower else None)
+        loaded = loader() if lower else None
         if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
-        elif not any(key in tier for tier in self.tiers[:i]):
+        elif not above:
             self._dropped(key)
 
-    def _drop_older_below(
-        self, i: int, key: EntryKey, loader: Loader
-    ) -> tuple[str, KVVariant] | None:
-        """Tier ``i`` evicts a variant put over copies below that were not replaced yet
-        (no write-through, or it failed): drop the lower copies that are another variant,
-        so the put one moves down in their place.  Its entry, if it was read."""
-        if any(key in tier for tier in self.tiers[:i]):
-            return None  # the put variant is above: this copy may be an older one
+    def _demote_newer(self, i: int, key: EntryKey, loader: Loader) -> None:
+        """Tier ``i`` evicts a variant put over copies below that were not replaced yet (no
+        write-through, or it failed): write it down in their place, then drop the older
+        copies it did not overwrite.  If it cannot be written (a full disk), the older
+        copies stay: a stale approximate KV beats none."""
         del self._newer[key]
         loaded = loader()
-        if loaded is None:
-            return None
+        below = range(i + 1, len(self.tiers))
+        if loaded is None:  # unreadable: what is below stays as it is
+            if not any(key in self.tiers[j] for j in below):
+                self._dropped(key)
+            return
         fingerprint, variant = loaded
-        for tier in self.tiers[i + 1 :]:
-            if key in tier and not self._holds_same(tier, key, fingerprint, variant):
+        older = [
+            j
+            for j in below
+            if key in self.tiers[j] and not self._holds_same(self.tiers[j], key, *loaded)
+        ]
+        # a tier below holds this variant already: swap out only once
+        same_below = any(key in self.tiers[j] for j in below if j not in older)
+        placed = None if same_below else self._insert(i + 1, key, fingerprint, variant)
+        if placed is not None:
+            self._metrics.tier(self.tiers[i].name, "demotions")
+        elif not same_below:
+            if not any(key in self.tiers[j] for j in below):
+                self._dropped(key)
+            return
+        for j in older:
+            if j != placed:  # the tier it landed in replaced its copy
                 try:
-                    tier.remove(key)
+                    self.tiers[j].remove(key)
                 except OSError as error:
-                    self._io_error(tier, error)
-        return loaded
+                    self._io_error(self.tiers[j], error)
 
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
