@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from chunkcache.core.sampling import StopChecker
+from chunkcache.core.sampling import PARTIAL_CHAR, StopChecker
+
+_MAX_PARTIAL_BYTES = 3  # of a UTF-8 character not finished yet
 
 
 class TextStream:
@@ -18,7 +20,9 @@ class TextStream:
     :meth:`push` each sampled token; it returns the new text to emit (held back while the text
     ends in a partial UTF-8 character or might start a stop string). ``finish_reason`` becomes
     ``"stop"`` on an EOS token or a stop string; :meth:`finish` returns the rest of the text
-    and sets ``"length"`` when neither happened.
+    and sets ``"length"`` when neither happened.  A character whose bytes were still arriving
+    when generation ended is left out, as vLLM's detokenizer leaves it (its tokens still
+    count in :attr:`tokens`): the answer never ends in a U+FFFD.
     """
 
     def __init__(self, tokenizer: Any, eos_ids: Collection[int], stop: tuple[str, ...]) -> None:
@@ -51,10 +55,26 @@ class TextStream:
         return ""
 
     def finish(self) -> str:
-        """The text not emitted yet, cut at the first stop string; ends the stream."""
+        """The text not emitted yet, cut at the first stop string and without an unfinished
+        last character; ends the stream."""
         if self.finish_reason is None:
             self.finish_reason = "length"
-        return self._stop.final(self._decode())[len(self._emitted) :]
+        return self._stop.final(self._whole_characters())[len(self._emitted) :]
 
-    def _decode(self) -> str:
-        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+    def _whole_characters(self) -> str:
+        """The text without the U+FFFD of a last character the limit or the EOS cut off."""
+        text = self._decode()
+        if not text.endswith(PARTIAL_CHAR):
+            return text
+        # Byte-level BPE shows the cut character's bytes as one U+FFFD; byte fallback shows
+        # the whole run of byte tokens it ends as U+FFFDs, which leaving out the (at most 3)
+        # tokens of the cut character brings back.
+        for drop in range(1, min(_MAX_PARTIAL_BYTES, len(self.tokens)) + 1):
+            shorter = self._decode(self.tokens[:-drop])
+            if not shorter.endswith(PARTIAL_CHAR):
+                return max(shorter, text.rstrip(PARTIAL_CHAR), key=len)
+        return text.rstrip(PARTIAL_CHAR)
+
+    def _decode(self, tokens: list[int] | None = None) -> str:
+        ids = self.tokens if tokens is None else tokens
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
