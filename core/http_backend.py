@@ -15,7 +15,8 @@ a 429 -> :class:`QueueFullError` (with the server's Retry-After, seconds or a da
 503 ``shutting_down`` -> :class:`ShuttingDownError` (its other 503, a failed engine, is
 a :class:`BackendUnavailableError`, as the local backends raise);
 a 400, 404 or 413 -> ValueError with the server's message (:class:`PromptTooLongError`,
-as the local backends raise, for a 400 ``prompt_too_long``); a ``base_url`` that is not an
+as the local backends raise, for a 400 ``prompt_too_long``); a 401 or 403 (the ``api_key``
+is missing or wrong) -> ValueError saying so; a ``base_url`` that is not an
 http(s) URL with a host (:func:`~chunkcache.core.urls.server_root`), or an ``api_key`` that
 is not visible ASCII (:func:`check_api_key`) -> ValueError when the backend is made.
 """
@@ -316,6 +317,11 @@ def _raise_for(response: httpx.Response) -> None:
         raise ShuttingDownError(f"chunkcache serve is shutting down: {message}")
     if status in (400, 404, 413):
         raise ValueError(f"chunkcache serve refused the request ({status}): {message}")
+    if status in (401, 403):  # a retry, or a fallback as for a server that is down, cannot help
+        raise ValueError(
+            f"chunkcache serve refused the request ({status}): {message}; check the api_key "
+            "the backend was given"
+        )
     if response.is_redirect:
         message = f"a redirect to {response.headers.get('location')!r}: use that base_url"
     raise BackendUnavailableError(f"chunkcache serve answered {status}: {message}")

@@ -86,8 +86,12 @@ def test_server_refusals_become_chunkcache_errors(served: tuple[str, FakeBackend
     request = build_request("hello", ChunkCache(), max_tokens=4000)  # over the server's limit
     with pytest.raises(ValueError, match="max_tokens"):
         generate(HttpBackend(url, api_key="k"), request)
-    with pytest.raises(BackendUnavailableError, match="401"):
+    # the caller's key: a retry, or a fallback as for a server that is down, cannot help
+    with pytest.raises(ValueError, match=r"401.*api_key") as refused:
         HttpBackend(url, api_key="wrong").render_chat([{"role": "user", "content": "x"}])
+    assert not isinstance(refused.value, BackendUnavailableError)
+    with pytest.raises(ValueError, match=r"401.*api_key"):
+        generate(HttpBackend(url), build_request("hello", ChunkCache(), max_tokens=4))
 
 
 class Refusing(FakeBackend):
