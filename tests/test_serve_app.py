@@ -141,10 +141,14 @@ def test_chat_stream_framing(client: TestClient, include_usage: bool) -> None:
     assert text == "The answer is in the context above, friend."
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[:-1] == [None] * (len(finishes) - 1) and finishes[-1] == "stop"
-    usage = [c for c in chunks if "usage" in c]
+    usage = [c for c in chunks if c.get("usage")]
     assert len(usage) == (1 if include_usage else 0)
     if include_usage:
         assert usage[0]["choices"] == [] and usage[0] is chunks[-1]
+        # OpenAI: "All other chunks will also include a usage field, but with a null value."
+        assert all(c["usage"] is None for c in chunks[:-1])
+    else:
+        assert not any("usage" in c for c in chunks)
 
 
 def test_request_id_is_echoed(client: TestClient) -> None:

@@ -2,7 +2,8 @@
 
 Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]``.  The text
 arrives in chunks as it is decoded, then a chunk with ``finish_reason``, then (with
-``stream_options.include_usage``) a chunk with no choices and the usage.  A failure after
+``stream_options.include_usage``, when the others carry ``"usage": null``) a chunk with no
+choices and the usage.  A failure after
 the response started is sent as an ``{"error": ...}`` event and ends the stream.
 """
 
@@ -31,14 +32,17 @@ async def sse_events(
 ) -> AsyncGenerator[bytes]:
     """The SSE body for a stream of generation pieces; closes ``pieces`` when done or
     when the client goes away (the backend's generator is closed with it)."""
+    # OpenAI: with include_usage, "all other chunks will also include a usage field, but
+    # with a null value"
+    blank = {"usage": None} if include_usage else {}
     first = True
     try:
         async for piece in pieces:
             if piece.text or first:
-                yield frame(reply.chunk(piece.text, first=first))
+                yield frame({**reply.chunk(piece.text, first=first), **blank})
                 first = False
             if piece.stats is not None:
-                yield frame(reply.chunk("", piece.stats.finish_reason))
+                yield frame({**reply.chunk("", piece.stats.finish_reason), **blank})
                 if include_usage:
                     yield frame(reply.usage_chunk(piece.stats))
         yield DONE
