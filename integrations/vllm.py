@@ -17,6 +17,17 @@ The server must be started with ``--enable-prompt-tokens-details`` for vLLM to r
 cached tokens (and ``--enable-prefix-caching`` to have any); a server that does not report
 them is named once in a warning, as ``reused_tokens`` 0 then means unknown.
 
+Chunk counts: vLLM caches whole KV blocks from the start of the prompt, so its cached
+tokens are a prefix of the prompt as its tokenizer reads it (whole, no special tokens
+added).  The prompt is tokenized once per request, the same way, with character offsets
+(which the window check also counts): a chunk segment is a ``chunk_hit`` when every token
+holding one of its characters lies in that cached prefix, a ``chunk_miss`` otherwise, each
+occurrence of a chunk counted apart.  When that cannot be measured (vLLM reports no cached
+tokens, the tokenizer gives no offsets (not a fast tokenizer) or counts the prompt otherwise
+than vLLM did, or no local tokenizer for a server that names no window), both stay 0 and
+``extra["unmeasured_chunks"]`` says how many chunks are unknown, never misses; so
+``chunk_hits + chunk_misses + extra["unmeasured_chunks"]`` is the number of chunk segments.
+
 Errors: a ``base_url`` that is not an http(s) URL with a host, or a ``timeout_s`` that is not
 a positive finite number -> ValueError when the backend is made
 (:func:`~chunkcache.core.urls.server_root`); a prompt or stop string with a lone surrogate ->
@@ -41,13 +52,13 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from chunkcache.core.chunk_ids import check_unicode
-from chunkcache.core.errors import BackendUnavailableError, PromptTooLongError
+from chunkcache.core.errors import BackendUnavailableError, ChunkCacheError, PromptTooLongError
 from chunkcache.core.generation import (
     GenerationChunk,
     GenerationRequest,
@@ -56,6 +67,7 @@ from chunkcache.core.generation import (
     tokens_to_generate,
 )
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
+from chunkcache.core.segmenter import ChunkSegment, Segment
 from chunkcache.core.tokenization import render_chat
 from chunkcache.core.urls import check_api_key, server_root
 
@@ -135,7 +147,8 @@ class VllmBackend:
         stats = GenerationStats(policy="prefix")
         has_usage = False
         body = self._body(request)
-        self._check_window(body["prompt"], request.sampling)
+        prompt = _PromptTokens(body["prompt"], lambda: self.tokenizer)
+        self._check_window(prompt, request.sampling)
         try:
             with self._client.stream("POST", "/completions", json=body) as response:
                 if response.status_code >= 400:
@@ -165,6 +178,7 @@ class VllmBackend:
                 f"{self._server} answered {_COMPLETIONS} without the usage it was asked for "
                 "(stream_options.include_usage)"
             )
+        _count_chunks(stats, request.segments, prompt)
         stats.total_s = time.perf_counter() - started
         if not stats.extra["cached_tokens_reported"]:
             self._warn_no_cached_tokens()
@@ -181,7 +195,8 @@ class VllmBackend:
         warnings.warn(
             f"{self._server} does not report cached prompt tokens (start it with "
             "--enable-prompt-tokens-details): reused_tokens and cache_read are 0 whatever "
-            "its prefix cache served",
+            "its prefix cache served, and chunk hits and misses are unknown "
+            "(extra['unmeasured_chunks'])",
             UserWarning,
             stacklevel=2,
         )
@@ -204,12 +219,11 @@ class VllmBackend:
                 return model.get("max_model_len")
         return None
 
-    def _check_window(self, prompt: str, sampling: SamplingParams) -> None:
+    def _check_window(self, prompt: _PromptTokens, sampling: SamplingParams) -> None:
         """Refuse ``prompt`` as a local backend would (see the module docstring)."""
         window = self.context_window
         if window is not None:
-            prompt_tokens = len(self.tokenizer.encode(prompt, add_special_tokens=False))
-            tokens_to_generate(prompt_tokens, sampling, window)
+            tokens_to_generate(prompt.count, sampling, window)
 
     def _refusal(self, response: httpx.Response, where: str = _COMPLETIONS) -> Exception:
         """The error for a failed ``response``: the request's fault or the server's."""
@@ -250,6 +264,73 @@ class VllmBackend:
         if params.seed is not None:
             body["seed"] = signed_seed(params.seed)
         return body
+
+
+class _PromptTokens:
+    """A prompt tokenized as vLLM tokenizes it (whole, no special tokens added), at most once
+    whoever asks: the window check and the chunk counts."""
+
+    def __init__(self, text: str, tokenizer: Callable[[], Any]) -> None:
+        self.text = text
+        self._tokenizer = tokenizer
+
+    @functools.cached_property
+    def offsets(self) -> list[tuple[int, int]] | None:
+        """Each token's character span, None from a tokenizer that gives none (a slow one)."""
+        tokenizer = self._tokenizer()
+        if not getattr(tokenizer, "is_fast", False):
+            return None
+        encoded = tokenizer(self.text, add_special_tokens=False, return_offsets_mapping=True)
+        return [(start, end) for start, end in encoded["offset_mapping"]]
+
+    @functools.cached_property
+    def count(self) -> int:
+        """How many tokens vLLM reads in the prompt."""
+        if self.offsets is not None:
+            return len(self.offsets)
+        return len(self._tokenizer().encode(self.text, add_special_tokens=False))
+
+
+def _count_chunks(
+    stats: GenerationStats, segments: Sequence[Segment], prompt: _PromptTokens
+) -> None:
+    """``chunk_hits`` and ``chunk_misses`` from vLLM's cached prefix (module docstring)."""
+    ends = _chunk_ends(segments)
+    offsets = None
+    if ends and stats.extra["cached_tokens_reported"]:
+        try:
+            offsets = prompt.offsets
+        except ChunkCacheError:  # ModelLoadError: no local tokenizer, and no window needed one
+            offsets = None
+    if offsets is None or len(offsets) != stats.prompt_tokens:  # not vLLM's tokens
+        stats.extra["unmeasured_chunks"] = len(ends)
+        return
+    hits = sum(_cached_through(offsets, stats.reused_tokens, end) for end in ends)
+    stats.chunk_hits, stats.chunk_misses = hits, len(ends) - hits
+    stats.extra["unmeasured_chunks"] = 0
+
+
+def _chunk_ends(segments: Sequence[Segment]) -> list[int]:
+    """Where each chunk segment ends in the prompt (a character index), in order."""
+    ends: list[int] = []
+    position = 0
+    for segment in segments:
+        position += len(segment.text)
+        if isinstance(segment, ChunkSegment):
+            ends.append(position)
+    return ends
+
+
+def _cached_through(offsets: Sequence[tuple[int, int]], cached: int, end: int) -> bool:
+    """Whether every token holding a character before ``end`` is among the first ``cached``.
+
+    The first uncached token must start at ``end`` or later (a character split over two
+    tokens gives both its span), and the cached ones must reach ``end``: a tokenizer that
+    trims offsets reports a token's leading space as not its own.
+    """
+    cached = min(cached, len(offsets))
+    reaches = cached > 0 and offsets[cached - 1][1] >= end
+    return reaches and (cached == len(offsets) or offsets[cached][0] >= end)
 
 
 def signed_seed(seed: int) -> int:

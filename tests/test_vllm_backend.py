@@ -464,6 +464,10 @@ def test_real_vllm_through_langchain_reports_cache_read(real_backend: VllmBacken
     assert usage is not None and usage["input_tokens"] > 16
     assert usage["input_token_details"]["cache_read"] > 0
     assert answers[-1].response_metadata["chunkcache"]["policy"] == "prefix"
+    first = answers[0].response_metadata["chunkcache"]
+    assert (first["chunk_hits"], first["chunk_misses"]) == (0, 1)  # a cold prefix cache
+    last = answers[-1].response_metadata["chunkcache"]
+    assert last["chunk_hits"] + last["chunk_misses"] == 1  # measured, whatever the blocks
 
 
 class UndercountingTokenizer:
