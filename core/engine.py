@@ -5,7 +5,9 @@ One request runs ``plan -> place -> compute -> store``:
 1. Exact prefix: the longest run of leading segments whose variant was computed in
    exactly this context (CRAFT's chunk-prefix; system prompt and earlier turns are
    segments too), or the longest token prefix shared with the conversation's last
-   sequence, whichever is longer.  Always taken, whatever the policy but ``full``.
+   sequence (for ``prefix``, only as far as its KV is exact: a turn run under a reuse
+   policy may have left it blended), whichever is longer.  Always taken, whatever the
+   policy but ``full``.
 2. Place: for ``reuse``/``cacheblend``/``cachecraft``, every later chunk with any
    stored variant has its keys moved to their new positions (RoPE shift) and its
    values copied (CacheBlend §3).  The variant computed in exactly this context is
@@ -233,7 +235,7 @@ class ChunkEngine:
         kv.extend(len(ids))
         prefix = MatchedPrefix(0, len(ids), 0)
         if policy != "full":
-            prefix = self._take_prefix(segments, ids, conversation_id, kv)
+            prefix = self._take_prefix(segments, ids, conversation_id, kv, policy == "prefix")
         exact_until = prefix.exact_until
         exact = min(prefix.length, len(ids) - 1)  # the last token always runs, for its logits
         placed = self._place(segments, spans, contexts, exact, policy) if _reuses(policy) else []
@@ -341,9 +343,11 @@ class ChunkEngine:
         ids: list[int],
         conversation_id: str | None,
         kv: SeqKV,
+        exact_only: bool,
     ) -> MatchedPrefix:
         """Copy the longest exact prefix, from the store or the conversation's past, into
-        ``kv`` (a conversation's past may hold blended KV: its ``exact_until`` carries over)."""
+        ``kv`` (a conversation's past may hold blended KV: its ``exact_until`` carries over,
+        or with ``exact_only`` the past is taken up to it only)."""
         fingerprint = self.lm.fingerprint
         hits: list[KVVariant] = []
         context = ROOT_CONTEXT
@@ -359,6 +363,8 @@ class ChunkEngine:
             if conversation_id and past is not None:  # a use: the least used go first
                 self._conversations.move_to_end(conversation_id)
         from_past = _common_prefix(ids, past.ids) if past else 0
+        if past is not None and exact_only:  # the prefix policy promises exact KV
+            from_past = min(from_past, past.exact_until)
         if past is not None and from_past > from_store:
             kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]
             kv.v[:, :, :from_past] = past.kv.v[:, :, :from_past]
