@@ -74,11 +74,17 @@ class Rope:
 
     def shift(self, k: Tensor, delta: Tensor | int, out: Tensor | None = None) -> Tensor:
         """Move rotated keys by ``delta`` positions: a pure rotation, computed in float32 and
-        written in ``k``'s dtype, into ``out`` when given (e.g. a slice of a request's KV)."""
+        written in ``k``'s dtype, into ``out`` when given (e.g. a slice of a request's KV,
+        which may overlap ``k``: keys moved within one buffer)."""
         # k: [..., N, D]; delta: [N] or a scalar; out: like k
         delta = torch.as_tensor(delta, device=k.device).reshape(-1)  # delta: [N] or [1]
         cos, sin = self.angles(delta)  # cos, sin: [N, D] or [1, D] float32
-        return _rotate_into(k, cos, sin, torch.empty_like(k) if out is None else out)
+        if out is None:
+            return _rotate_into(k, cos, sin, torch.empty_like(k))
+        if out.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+            # the second half reads the first half of k after writing that of out
+            return out.copy_(_rotate_into(k, cos, sin, torch.empty_like(k)))
+        return _rotate_into(k, cos, sin, out)
 
     def unrotate(self, k: Tensor, positions: Tensor) -> Tensor:
         """Raw keys from keys rotated at ``positions``: the inverse of :meth:`rotate`."""
