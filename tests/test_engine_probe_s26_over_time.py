@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_review_engine_memory import full_logits
 from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_lm
 
 from chunkcache.core.engine import ChunkEngine, Prefilled, TokenSegment
@@ -30,10 +31,6 @@ QUESTION = text(random_ids(4, 4))
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
     return tiny_lm("llama")
-
-
-def full_logits(lm: LoadedModel, segments: list[TokenSegment]) -> torch.Tensor:
-    return ChunkEngine(lm).prefill(segments, "full").logits
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
