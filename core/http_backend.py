@@ -23,11 +23,8 @@ is not visible ASCII (:func:`check_api_key`) -> ValueError when the backend is m
 
 from __future__ import annotations
 
-import contextlib
 import math
-import socket
-import threading
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -43,6 +40,7 @@ from chunkcache.core.errors import (
     ShuttingDownError,
 )
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
+from chunkcache.core.http_streams import HttpStream, StreamConnection, own_connection_client
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment
 from chunkcache.core.urls import check_api_key, server_root
@@ -81,15 +79,8 @@ class HttpBackend:
         self._model_info_read = False  # the window may be unknown (null): asked once all the same
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._client = httpx.Client(base_url=root, headers=headers, timeout=timeout)
-        # Completions each on a connection of their own, which HttpStream.cancel can cut while
-        # another thread waits on it (httpx names the connection of a pooled request only
-        # once the answer's headers are in).
-        self._streams = httpx.Client(
-            base_url=root,
-            headers=headers,
-            timeout=timeout,
-            limits=httpx.Limits(max_keepalive_connections=0),
-        )
+        # Completions each on a connection of their own, which HttpStream.cancel can cut
+        self._streams = own_connection_client(base_url=root, headers=headers, timeout=timeout)
 
     @property
     def model_name(self) -> str:
@@ -115,7 +106,7 @@ class HttpBackend:
         """Run ``request`` on the server, yielding text as it arrives; the last piece
         carries the server's stats.  Closing or cancelling the stream closes the request at
         once (the server then stops generating), also while another thread waits on it."""
-        connection = _Connection()
+        connection = StreamConnection()
         return HttpStream(self._pieces(request, connection), connection)
 
     def close(self) -> None:
@@ -124,7 +115,7 @@ class HttpBackend:
         self._streams.close()
 
     def _pieces(
-        self, request: GenerationRequest, connection: _Connection
+        self, request: GenerationRequest, connection: StreamConnection
     ) -> Generator[GenerationChunk]:
         stats: GenerationStats | None = None
         body = self._body(request)
@@ -185,77 +176,6 @@ class HttpBackend:
             return json_object(response.text, f"{method} {path}", _SERVER, **shape)
 
 
-class HttpStream(Iterator[GenerationChunk]):
-    """One request's pieces as the server streams them (the last carries the stats)."""
-
-    def __init__(self, pieces: Generator[GenerationChunk], connection: _Connection) -> None:
-        self._pieces = pieces
-        self._connection = connection
-        self._stepping = threading.Lock()  # held while a piece is read
-
-    def __next__(self) -> GenerationChunk:
-        with self._stepping:
-            if self._connection.cut:
-                self._pieces.close()
-                raise StopIteration
-            try:
-                return next(self._pieces)
-            except BackendUnavailableError:
-                if self._connection.cut:  # what cutting it does to a read in flight
-                    raise StopIteration from None
-                raise
-
-    def cancel(self) -> None:
-        """Close the request now, from any thread: the server stops generating for it and
-        the stream just ends, also while another thread waits for its next piece."""
-        self._connection.cut_now()
-
-    def close(self) -> None:
-        """Cancel, and close the stream at once when no piece is being read (else the
-        reading thread closes it); safe from any thread."""
-        self.cancel()
-        if self._stepping.acquire(blocking=False):
-            try:
-                self._pieces.close()
-            finally:
-                self._stepping.release()
-
-
-class _Connection:
-    """The socket one streamed request travels on, which another thread may cut.
-
-    httpx reports the socket through its trace extension as the connection opens; a read
-    blocked on it elsewhere only wakes on a shutdown (closing the socket leaves it waiting,
-    and the server would not see the client go).
-    """
-
-    def __init__(self) -> None:
-        self.cut = False
-        self._stream: Any = None  # httpcore's network stream, once connected
-        self._lock = threading.Lock()
-
-    def trace(self, event: str, info: Mapping[str, Any]) -> None:
-        """httpx's trace hook: keeps the connection's stream (TLS over TCP once started)."""
-        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
-            with self._lock:
-                self._stream = info.get("return_value")
-                if self.cut:
-                    self._shutdown()
-
-    def cut_now(self) -> None:
-        with self._lock:
-            self.cut = True
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        sock = None if self._stream is None else self._stream.get_extra_info("socket")
-        if sock is None:
-            return
-        with contextlib.suppress(OSError):  # closed already
-            # socket.socket's own: an SSLSocket's drops its TLS state under the reading thread
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
 class _Response:
     """A streamed request whose failures become chunkcache errors: on entry (unreachable,
     an error status) and while its body is read (the server or the connection broke).
@@ -271,10 +191,10 @@ class _Response:
         method: str,
         path: str,
         body: Any,
-        connection: _Connection | None = None,
+        connection: StreamConnection | None = None,
     ) -> None:
         self._where = f"{method} {path}"
-        extensions = {} if connection is None else {"trace": connection.trace}
+        extensions = {} if connection is None else connection.extensions
         self._open = lambda: client.stream(method, path, json=body, extensions=extensions)
         self._context = self._open()
 

@@ -52,7 +52,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -66,6 +66,7 @@ from chunkcache.core.generation import (
     SamplingParams,
     tokens_to_generate,
 )
+from chunkcache.core.http_streams import HttpStream, StreamConnection, own_connection_client
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
 from chunkcache.core.segmenter import ChunkSegment, Segment
 from chunkcache.core.tokenization import render_chat
@@ -118,12 +119,15 @@ class VllmBackend:
         if api_key:
             check_api_key(api_key, "api_key")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
-            base_url=f"{self.base_url}/v1",
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            transport=transport,
-        )
+        options: dict[str, Any] = {
+            "base_url": f"{self.base_url}/v1",
+            "headers": headers,
+            "timeout": httpx.Timeout(timeout_s, connect=10.0),
+            "transport": transport,
+        }
+        self._client = httpx.Client(**options)
+        # Completions each on a connection of their own, which HttpStream.cancel can cut
+        self._streams = own_connection_client(**options)
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
         self._warned_no_cached_tokens = False
@@ -140,9 +144,17 @@ class VllmBackend:
         """The model's chat template applied to ``messages``, ready for the assistant."""
         return render_chat(self.tokenizer, messages)
 
-    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+    def stream(self, request: GenerationRequest) -> HttpStream:
         """Send the prompt (the segments' text, in order) and stream vLLM's answer; the last
-        piece carries the stats, from the usage vLLM reports after the text."""
+        piece carries the stats, from the usage vLLM reports after the text.  Closing or
+        cancelling the stream closes the request at once (vLLM then aborts it), also while
+        another thread waits on it."""
+        connection = StreamConnection()
+        return HttpStream(self._pieces(request, connection), connection)
+
+    def _pieces(
+        self, request: GenerationRequest, connection: StreamConnection
+    ) -> Generator[GenerationChunk]:
         started = time.perf_counter()
         stats = GenerationStats(policy="prefix")
         has_usage = False
@@ -150,7 +162,9 @@ class VllmBackend:
         prompt = _PromptTokens(body["prompt"], lambda: self.tokenizer)
         self._check_window(prompt, request.sampling)
         try:
-            with self._client.stream("POST", "/completions", json=body) as response:
+            with self._streams.stream(
+                "POST", "/completions", json=body, extensions=connection.extensions
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise self._refusal(response)
@@ -187,6 +201,7 @@ class VllmBackend:
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()
+        self._streams.close()
 
     def _warn_no_cached_tokens(self) -> None:
         if self._warned_no_cached_tokens:
