@@ -20,6 +20,9 @@ Policy = Literal["full", "prefix", "reuse", "cacheblend", "cachecraft"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 DEFAULT_POLICY: Policy = "cacheblend"
 DEFAULT_RECOMPUTE_RATIO = 0.15  # CacheBlend §4.3 / §7: 15% keeps quality at full-prefill level
+# The seeds torch.Generator.manual_seed takes: OpenAI's signed 64-bit ones, and the unsigned
+# ones SamplingParams takes.  Torch seeds a negative one as seed + 2**64.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 def check_policy(policy: str) -> Policy:
@@ -54,8 +57,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.fit_window, bool):
             raise ValueError(f"fit_window must be a bool, got {self.fit_window!r}")
-        if not _is_finite_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check_temperature(self.temperature)
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
@@ -63,6 +65,32 @@ class SamplingParams:
         strings = isinstance(self.stop, tuple | list) and all(isinstance(s, str) for s in self.stop)
         if not strings:
             raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
+
+
+def openai_sampling(temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
+    """``temperature``, ``top_p`` and ``seed`` as OpenAI's API takes them, as
+    :class:`SamplingParams` takes them: what ``chunkcache serve`` and the ``ChunkCacheLLM``
+    wrappers accept from a client written for OpenAI.
+
+    ``top_p`` 0 (OpenAI takes [0, 1]; SamplingParams and vLLM take (0, 1]) keeps the most
+    likely token alone, the limit of an ever smaller nucleus: greedy decoding.  A negative
+    ``seed`` (OpenAI's are signed 64-bit) becomes the unsigned one torch seeds the same
+    generator with, ``seed + 2**64``.  ValueError for a value neither takes.
+
+    >>> openai_sampling(0.7, 0, -1)
+    {'temperature': 0.0, 'top_p': 1.0, 'seed': 18446744073709551615}
+    """
+    _check_temperature(temperature)
+    if not _is_real(top_p) or not 0 <= top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed must be an int from -2**63 to 2**64 - 1, got {seed!r}")
+    greedy = top_p == 0
+    return {
+        "temperature": 0.0 if greedy else temperature,
+        "top_p": 1.0 if greedy else top_p,
+        "seed": None if seed is None else seed % 2**64,
+    }
 
 
 def tokens_to_generate(prompt_tokens: int, sampling: SamplingParams, context_window: int) -> int:
@@ -84,6 +112,11 @@ def tokens_to_generate(prompt_tokens: int, sampling: SamplingParams, context_win
             f"model's context window of {context_window}"
         )
     return sampling.max_tokens
+
+
+def _check_temperature(temperature: float) -> None:
+    if not _is_finite_real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
 
 
 def _is_int(value: object) -> bool:

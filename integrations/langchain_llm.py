@@ -66,11 +66,14 @@ from chunkcache.core.errors import UsageError
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
+    SEED_MAX,
+    SEED_MIN,
     Backend,
     GenerationChunk,
     GenerationRequest,
     GenerationStats,
     Policy,
+    openai_sampling,
 )
 from chunkcache.core.prompting import (
     SETTINGS,
@@ -99,7 +102,10 @@ class ChunkCacheLLM(BaseChatModel):
         recompute: the recompute policy (``"cacheblend"``, ``"cachecraft"``,
             ``"reuse"``, ``"prefix"`` or ``"full"``).
         recompute_ratio: share of reused chunk tokens recomputed (CacheBlend).
-        max_tokens, temperature, top_p, stop, seed: decoding; ``temperature=0`` is greedy.
+        max_tokens, temperature, top_p, stop, seed: decoding, as OpenAI's API takes them
+            (:func:`~chunkcache.core.generation.openai_sampling`): ``temperature=0`` or
+            ``top_p=0`` is greedy; ``seed`` is an int from -2**63 to 2**64 - 1, a negative
+            one seeded as ``seed + 2**64``, as torch does.
 
     The conversation id is read from ``config["configurable"]`` (``conversation_id``,
     ``session_id`` or ``thread_id``), as :class:`ChunkCacheRetriever` reads it, or
@@ -112,9 +118,9 @@ class ChunkCacheLLM(BaseChatModel):
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, ge=0, le=1)
     stop: list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
 
     @model_validator(mode="before")
     @classmethod
@@ -296,6 +302,7 @@ class ChunkCacheLLM(BaseChatModel):
         # langchain-core reads ``stream`` to choose _stream or _generate, then passes it on.
         kwargs = {name: value for name, value in kwargs.items() if name != "stream"}
         options = call_options(self, kwargs)
+        options.update(openai_sampling(options["temperature"], options["top_p"], options["seed"]))
         options["chunks"] = self._chunk_pairs(kwargs.get("chunks"))
         if stop is not None:
             options["stop"] = stop

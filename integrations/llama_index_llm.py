@@ -78,10 +78,13 @@ from chunkcache.core.chunk_ids import chunk_id_for
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
+    SEED_MAX,
+    SEED_MIN,
     Backend,
     GenerationRequest,
     GenerationStats,
     Policy,
+    openai_sampling,
 )
 from chunkcache.core.ledger import check_conversation_id
 from chunkcache.core.prompting import (
@@ -144,11 +147,14 @@ class ChunkCacheLLM(LLM):
 
     ``cache`` is shared chunk state and backend (the process-wide default when
     omitted); ``recompute`` and ``recompute_ratio`` choose the recompute policy;
-    ``max_tokens``, ``temperature`` (0: greedy), ``top_p``, ``stop`` and ``seed``
-    decode.  ``metadata.context_window`` is the backend's ``context_window`` if it
-    has one, else LlamaIndex's default (3900 tokens); ``metadata.is_chat_model`` is
-    False when the backend's tokenizer has no chat template (a base model), so
-    LlamaIndex's query engines send it completions rather than chat messages.
+    ``max_tokens``, ``temperature``, ``top_p``, ``stop`` and ``seed`` decode, as OpenAI's
+    API takes them (:func:`~chunkcache.core.generation.openai_sampling`): ``temperature``
+    0 or ``top_p`` 0 is greedy; ``seed`` is an int from -2**63 to 2**64 - 1, a negative
+    one seeded as ``seed + 2**64``, as torch does.  ``metadata.context_window`` is the
+    backend's ``context_window`` if it has one, else LlamaIndex's default (3900 tokens);
+    ``metadata.is_chat_model`` is False when the backend's tokenizer has no chat template
+    (a base model), so LlamaIndex's query engines send it completions rather than chat
+    messages.
     """
 
     cache: CacheField = Field(default_factory=default_cache, exclude=True)
@@ -156,9 +162,9 @@ class ChunkCacheLLM(LLM):
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, ge=0, le=1)
     stop: list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     conversation_id: ConversationIdField = None
     # (the cache they were read from, the facts): see _model_facts
     _facts: tuple[ChunkCache, _ModelFacts] | None = PrivateAttr(default=None)
@@ -349,6 +355,7 @@ class ChunkCacheLLM(LLM):
 
     def _request(self, prompt: str, kwargs: dict[str, Any]) -> GenerationRequest:
         options = call_options(self, kwargs)
+        options.update(openai_sampling(options["temperature"], options["top_p"], options["seed"]))
         options["chunks"] = _chunk_pairs(kwargs.get("chunks"), self.cache.namespace)
         options.setdefault("conversation_id", self.conversation_id)
         return build_request(prompt, self.cache, **options)

@@ -312,7 +312,7 @@ def test_per_call_options_override_the_constructor() -> None:
         {"recompute_ratio": -0.1},
         {"max_tokens": 0},
         {"temperature": -1.0},
-        {"top_p": 0.0},
+        {"top_p": -0.1},
     ],
 )
 def test_invalid_settings_are_rejected_at_construction(settings: dict[str, Any]) -> None:
