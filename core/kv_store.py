@@ -47,15 +47,25 @@ ROOT_CONTEXT = "root"
 @dataclass
 class ReuseCount:
     """How often, and how cheaply, a variant was reused: Cache-Craft's frequency-reuse f_r
-    (§3.3), which its eviction keeps high.  Plain numbers, saved as JSON by a tiered store."""
+    (§3.3), which its eviction keeps high.  Plain numbers, saved as JSON by a tiered store.
+
+    :meth:`record` is thread-safe: engine threads (a batching backend's, or several backends
+    on one store) count reuses of one shared counter at once.
+    """
 
     num_reuses: int = 0
     frequency_reuse: float = 0.0  # f_r = sum over reuses of 1 / CFO
+    # ``+=`` reads, adds and writes back: two threads in between would lose a reuse.
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def record(self, cfo: float) -> None:
         """Count one reuse at fix overhead ``cfo`` (floored, so CFO 0 adds a finite amount)."""
-        self.num_reuses += 1
-        self.frequency_reuse += 1.0 / max(cfo, MIN_CFO_FOR_REUSE_COUNT)
+        added = 1.0 / max(cfo, MIN_CFO_FOR_REUSE_COUNT)
+        with self._lock:
+            self.num_reuses += 1
+            self.frequency_reuse += added
 
 
 @dataclass(frozen=True)
