@@ -9,9 +9,12 @@ cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
 
 The context window: vLLM itself cuts ``max_tokens`` to the room a prompt leaves.  This
 backend keeps the local backends' rule instead (:func:`~chunkcache.core.generation.
-tokens_to_generate`): it reads the window once from ``GET /v1/models`` (``max_model_len``),
+tokens_to_generate`): it reads the window from ``GET /v1/models`` (``max_model_len``),
 counts the prompt's tokens with its tokenizer, and refuses a prompt that leaves no room, or
-no room for ``max_tokens`` unless the request sets ``fit_window``, before sending it.
+no room for ``max_tokens`` unless the request sets ``fit_window``, before sending it.  The
+window is read once, and again when it may have changed (the server restarted behind the
+same URL with another ``--max-model-len``): before refusing a prompt, and after vLLM refused
+one as over its window.  A request that fits is never delayed by it.
 
 The server must be started with ``--enable-prompt-tokens-details`` for vLLM to report
 cached tokens (and ``--enable-prefix-caching`` to have any); a server that does not report
@@ -31,7 +34,7 @@ than vLLM did, or no local tokenizer for a server that names no window), both st
 Errors: a ``base_url`` that is not an http(s) URL with a host, or a ``timeout_s`` that is not
 a positive finite number -> ValueError when the backend is made
 (:func:`~chunkcache.core.urls.server_root`); a prompt or stop string with a lone surrogate ->
-:class:`InvalidTextError`, and ``seed`` 2**64 - 1 (vLLM reads its bits, -1, as no seed) ->
+:class:`InvalidTextError`, and ``seed`` 2**64 - 1 or -1 (vLLM reads those bits as no seed) ->
 ValueError, before anything is sent; a prompt over the context window ->
 :class:`PromptTooLongError`; a request the server refuses (400, 404, 413, 422), or an
 ``api_key`` it does not take (401, 403) -> ValueError with its message
@@ -167,7 +170,10 @@ class VllmBackend:
             ) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise self._refusal(response)
+                    error = self._refusal(response)
+                    if isinstance(error, PromptTooLongError):
+                        self._forget_window()  # smaller than the one read: ask next time
+                    raise error
                 for event in completion_events(response.iter_lines(), _COMPLETIONS, self._server):
                     for item in event.get("choices") or ():
                         choice = shaped(
@@ -218,7 +224,8 @@ class VllmBackend:
 
     @functools.cached_property
     def context_window(self) -> int | None:
-        """The server's ``max_model_len`` for this model (asked once), None if it gives none."""
+        """The server's ``max_model_len`` for this model, None if it gives none: asked once,
+        and again when it may have changed (see the module docstring)."""
         try:
             response = self._client.get("/models")
         except httpx.HTTPError as e:
@@ -237,8 +244,26 @@ class VllmBackend:
     def _check_window(self, prompt: _PromptTokens, sampling: SamplingParams) -> None:
         """Refuse ``prompt`` as a local backend would (see the module docstring)."""
         window = self.context_window
-        if window is not None:
+        if window is None:
+            return
+        try:
             tokens_to_generate(prompt.count, sampling, window)
+        except PromptTooLongError as too_long:
+            # A server restarted with a longer window would be refused what it takes, for
+            # good: ask again before refusing (one GET, on a refusal only).
+            self._forget_window()
+            try:
+                fresh = self.context_window
+            except (ChunkCacheError, ValueError):  # unreachable, or refusing: no news
+                raise too_long from None
+            if fresh == window:
+                raise
+            if fresh is not None:
+                tokens_to_generate(prompt.count, sampling, fresh)
+
+    def _forget_window(self) -> None:
+        """Make the next :attr:`context_window` read ask the server again."""
+        self.__dict__.pop("context_window", None)
 
     def _refusal(self, response: httpx.Response, where: str = _COMPLETIONS) -> Exception:
         """The error for a failed ``response``: the request's fault or the server's."""
@@ -351,11 +376,13 @@ def _cached_through(offsets: Sequence[tuple[int, int]], cached: int, end: int) -
 def signed_seed(seed: int) -> int:
     """``seed`` (in [0, 2**64)) as the signed 64-bit integer with the same bits: vLLM takes
     seeds in [-2**63, 2**63) and refuses the upper half of the unsigned range.  Its -1
-    means no seed (vLLM's ``SamplingParams``), so 2**64 - 1 is a ValueError."""
+    means no seed (vLLM's ``SamplingParams``), so 2**64 - 1 is a ValueError: a wrapper's
+    ``seed=-1`` arrives as that seed (:func:`~chunkcache.core.generation.openai_sampling`),
+    which the local engines seed torch with, and vLLM would not seed at all."""
     if seed == 2**64 - 1:
         raise ValueError(
-            "seed 2**64 - 1 cannot be sent to vLLM: it reads those bits (-1) as no seed "
-            "and would sample afresh on every call; choose another seed"
+            "seed 2**64 - 1 (or -1: the same bits) cannot be sent to vLLM: it reads -1 as "
+            "no seed and would sample afresh on every call; choose another seed"
         )
     return seed - 2**64 if seed >= 2**63 else seed
 
