@@ -13,6 +13,15 @@ whose KV can still be there (RAGCache §5.1 keeps its knowledge tree in step the
 same way).  A chunk id has one store key per text sent under it
 (:func:`~chunkcache.core.chunk_ids.chunk_key`): its prefixes stay while the store
 holds any of them.
+
+Only a store in this process tells of its drops.  Evictions nobody is told of leave their
+prefixes in the tree: a shared Redis tier evicts server-side (its LRU, on any client's write,
+or ``maxmemory``) without a word to the clients, ``chunkcache serve``'s store is in the
+server's process (the ``http`` backend), and vLLM's prefix cache is vLLM's.  The tree then
+favours a prefix that may no longer be cached.  That costs little: the request laid out in
+that order recomputes the prefix and caches it again, so the tree's promise holds from the
+next request on; what is lost is another path, still cached, it could have followed.
+Stale nodes otherwise go with the tree's least recently used bound.
 """
 
 from __future__ import annotations

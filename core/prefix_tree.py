@@ -10,7 +10,9 @@ fills with where the prefix's KV lives; evicting that KV removes the node and
 everything below it, since a longer prefix's KV needs its parent's.  When the KV
 store drops a chunk's last variant (of every text sent under its id),
 :meth:`ChunkPrefixTree.remove_chunk` removes every prefix through that chunk
-(``ChunkCache`` wires this to the store).
+(``ChunkCache`` wires this to the store of an in-process engine; an eviction no one
+reports, by a shared Redis tier, a server's store or vLLM, leaves the nodes: see
+:mod:`chunkcache.core.cache`).
 
 The tree is bounded: beyond ``max_nodes`` the least recently used leaves go first.
 """
