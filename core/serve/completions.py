@@ -16,14 +16,14 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from chunkcache.core.generation import GenerationRequest as EngineRequest
 from chunkcache.core.generation import GenerationStats
 from chunkcache.core.serve.responses import Kind, Reply
 from chunkcache.core.serve.schemas import GenerationBody
 from chunkcache.core.serve.state import ServeState
-from chunkcache.core.serve.streaming import SSE_HEADERS, sse_events
+from chunkcache.core.serve.streaming import SSEResponse, sse_events
 
 T = TypeVar("T")
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never read
@@ -44,8 +44,7 @@ async def generate(
         pieces = await unless_disconnected(request, state.runner.open(engine_request))
         if pieces is None:
             return Response(status_code=CLIENT_GONE)
-        events = sse_events(reply, pieces, body.include_usage())
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(sse_events(reply, pieces, body.include_usage()))
     whole = await unless_disconnected(request, _whole(state, engine_request))
     if whole is None:
         return Response(status_code=CLIENT_GONE)
