@@ -121,6 +121,8 @@ async def handle_validation_error(request: Request, error: Exception) -> JSONRes
         message = f"send the body as JSON with Content-Type: application/json, got {content_type!r}"
         return ServeError(400, message).response()
     items = error.errors()
+    if items and items[0].get("type") == "json_invalid":
+        return ServeError(400, _not_json(items[0])).response()
     parts = []
     for item in items[:5]:
         where = _location(item)
@@ -128,6 +130,13 @@ async def handle_validation_error(request: Request, error: Exception) -> JSONRes
         parts.append(f"{where}: {message}" if where else message)
     param = _param(items[0]) if items else None
     return ServeError(400, "; ".join(parts) or "invalid request", param=param).response()
+
+
+def _not_json(item: dict[str, Any]) -> str:
+    """FastAPI's error for a body that does not decode: its ``loc`` ends with the character
+    where decoding failed, not a field (no ``param`` for it)."""
+    reason = (item.get("ctx") or {}).get("error", "JSON decode error")
+    return f"the body is not valid JSON: {reason} at character {item['loc'][-1]}"
 
 
 def _is_json(content_type: str) -> bool:
