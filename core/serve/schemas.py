@@ -34,7 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chunkcache.core.chunk_ids import check_unicode, chunk_id
-from chunkcache.core.generation import Policy
+from chunkcache.core.generation import SEED_MAX, SEED_MIN, Policy, openai_sampling
 
 MAX_CHUNKS_PER_REQUEST = 10_000
 # Every stop string is searched for in the whole answer at every token, on the engine's
@@ -44,9 +44,6 @@ MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
 StopString = Annotated[str, AfterValidator(check_unicode)]
-# What torch.Generator.manual_seed takes: OpenAI's signed 64-bit seeds, and the unsigned ones
-# SamplingParams takes.  Torch seeds a negative one as seed + 2**64.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Present and not null/false/empty: the request asks for something this server cannot do.
 UNSUPPORTED = (
     "tools",
@@ -269,18 +266,10 @@ class GenerationBody(BaseModel):
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
     def sampling(self) -> dict[str, Any]:
-        """``temperature``, ``top_p``, ``stop`` and ``seed`` as SamplingParams takes them.
-
-        ``top_p`` 0 (OpenAI takes [0, 1]; SamplingParams and vLLM take (0, 1]) keeps the
-        most likely token alone, the limit of an ever smaller nucleus: greedy decoding.  A
-        negative seed becomes the unsigned one torch seeds the same generator with."""
-        greedy = self.top_p == 0
-        return {
-            "temperature": 0.0 if greedy else self.temperature,
-            "top_p": 1.0 if greedy else self.top_p,
-            "stop": list(self.stop),
-            "seed": None if self.seed is None else self.seed % 2**64,
-        }
+        """``temperature``, ``top_p``, ``stop`` and ``seed`` as SamplingParams takes them
+        (:func:`~chunkcache.core.generation.openai_sampling`: ``top_p`` 0 is greedy, a
+        negative seed the unsigned one torch seeds the same generator with)."""
+        return {**openai_sampling(self.temperature, self.top_p, self.seed), "stop": list(self.stop)}
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
