@@ -9,8 +9,9 @@ Layout (every name a hash, :mod:`chunkcache.core.store.codec`)::
 
 The ``v3`` directory is the codec's format version (format 3: a segment id is a chunk key,
 ``<chunk id>#<hash of its tokens>``, and the header has a checksum per layer).
-Directories of older formats are removed when a tier opens: their entries are misses,
-never read.
+The entries of older formats are removed when a tier opens: they are misses, never read.
+Only files of an entry's name are ever counted, swept or evicted, so the directory may hold
+other files (even in folders named ``v1``, ``v2``), which stay.
 
 A write goes to temp files first (fsync; removed if writing fails), then, under the lock,
 the old header is removed, the data renamed into place, then the header (the commit), then

@@ -6,6 +6,9 @@ whenever another process changed it: ``.epoch``), holds the thread lock and the 
 for changes (:meth:`DiskIndex.locked`), and sweeps what killed writers and older formats
 left behind.  Entry IO (encode, decode, lazy opens) is the tier's.
 
+Only files of an entry's shape (:data:`_ENTRY_FILE`) are ever counted, swept or evicted: the
+directory may be shared with files of someone else's, even in folders named like ours.
+
 A directory this process cannot write (a read-only mount, a cache baked into an image,
 permissions) opens read-only (:attr:`DiskIndex.read_only_reason`): no file lock, no sweep,
 no epoch, and an entry "removed" (corrupt, or replaced by a newer variant) is only forgotten
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +33,12 @@ from chunkcache.core.store.codec import EntryKey
 LAYOUT = f"v{codec.FORMAT_VERSION}"
 # what a write meets in a directory this process may read but not write
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_HASH = "[0-9a-f]{32}"  # codec.digest
+# A file of an entry below a layout folder (every format's shape so far):
+# <ns>/<seg[:2]>/<seg>/<ctx>.json|.safetensors, or a writer's temp file beside them.
+_ENTRY_FILE = re.compile(
+    rf"{_HASH}/([0-9a-f]{{2}})/\1[0-9a-f]{{30}}/(\.tmp\..+|{_HASH}\.(json|safetensors))"
+)
 
 
 class DiskIndex:
@@ -133,7 +142,7 @@ class DiskIndex:
 
     def _rescan(self) -> None:
         sizes: dict[EntryKey, int] = {}
-        for header_path in self.data_root.glob("*/*/*/*.json"):
+        for header_path in _entry_files(self.data_root, "*.json"):
             ns, _, seg = header_path.parts[-4:-1]
             key = EntryKey(ns, seg, header_path.stem)
             if header_path.name.startswith(".tmp.") or key in self._forgotten:
@@ -149,17 +158,34 @@ class DiskIndex:
 
     def _sweep(self) -> None:
         """Remove what a killed writer left (data without a header, dead writers' temp
-        files), headers whose data was deleted, and the directories of older formats."""
+        files), headers whose data was deleted, and the entries of older formats."""
         for old in self.root.glob("v*"):
             version = old.name[1:]
             if old.is_dir() and version.isdigit() and int(version) < codec.FORMAT_VERSION:
-                shutil.rmtree(old, ignore_errors=True)
-        for path in self.data_root.glob("*/*/*/*"):
+                _remove_entries(old)
+        for path in _entry_files(self.data_root, "*"):
             if path.name.startswith(".tmp."):
                 if not _writer_alive(path.name):
                     _unlink_quietly(path)
             elif path.suffix in (".safetensors", ".json") and not _pair(path).exists():
                 _unlink_quietly(path)
+
+
+def _entry_files(layout: Path, name: str) -> Iterator[Path]:
+    """The files of entries (and temp files) below ``layout`` whose name matches ``name``."""
+    for path in layout.glob(f"*/*/*/{name}"):
+        if _ENTRY_FILE.fullmatch("/".join(path.parts[-4:])):
+            yield path
+
+
+def _remove_entries(layout: Path) -> None:
+    """Delete the entry files below an older format's ``layout`` folder, then the folders
+    they leave empty: anything else there is someone else's, and stays."""
+    for path in list(_entry_files(layout, "*")):
+        _unlink_quietly(path)
+        for folder in (path.parent, path.parent.parent, path.parent.parent.parent, layout):
+            with contextlib.suppress(OSError):  # not empty: it holds more
+                folder.rmdir()
 
 
 def _unlink_quietly(path: Path) -> None:
