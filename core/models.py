@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 # bfloat16 SmolLM2, ~1.2 MiB per new prompt length, flat with a small cap, at no measurable
 # cost per forward (a prefill uses under ten shapes, decode one more).
 ONEDNN_SHAPE_CACHE_ENTRIES = "64"
+# Files that hold a tokenizer's vocabulary, in the formats transformers reads.
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,7 @@ class ModelSpec:
         """The spec of ``config``; ``architecture`` names the model class in errors (a GGUF's
         config has none)."""
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            model_type = f"model_type {config.model_type!r}"
-            raise ModelLoadError(
-                f"{f'{architecture} ({model_type})' if architecture else model_type} is not "
-                f"supported; chunkcache runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
-            )
+            raise ModelLoadError(unsupported_message(config.model_type, architecture))
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
@@ -88,6 +87,16 @@ class ModelSpec:
             rope_parameters=dict(config.rope_parameters),
             sliding_window=_sliding_window(config),
         )
+
+
+def unsupported_message(model_type: str, architecture: str | None) -> str:
+    """Why a checkpoint of ``model_type`` (its model class ``architecture``, if known) is
+    refused, naming the types that run."""
+    named = f"model_type {model_type!r}"
+    return (
+        f"{f'{architecture} ({named})' if architecture else named} is not supported; "
+        f"chunkcache runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+    )
 
 
 def _sliding_window(config: Any) -> int | None:
@@ -215,6 +224,28 @@ def load_model(
         ) from error
 
 
+def _declared_type(directory: Path, gguf_file: str | None) -> tuple[str | None, str | None]:
+    """The model type and model class a checkpoint declares, read without transformers: a
+    GGUF file's ``general.architecture`` (no class), else config.json's ``model_type`` and
+    first ``architectures``.  None for what cannot be read."""
+    try:
+        if gguf_file:
+            from gguf import GGUFReader
+
+            field = GGUFReader(directory / gguf_file).get_field("general.architecture")
+            declared = field.contents() if field is not None else None
+            return (declared if isinstance(declared, str) else None), None
+        config = json.loads((directory / "config.json").read_bytes())
+        model_type, classes = config.get("model_type"), config.get("architectures")
+    except Exception:  # gguf's parser and a damaged config raise whatever they hit
+        return None, None
+    first = classes[0] if isinstance(classes, list) and classes else None
+    return (
+        model_type if isinstance(model_type, str) else None,
+        first if isinstance(first, str) else None,
+    )
+
+
 def _load(
     directory: Path, gguf_file: str | None, dtype: torch.dtype, device: torch.device | str
 ) -> LoadedModel:
@@ -226,6 +257,11 @@ def _load(
     try:
         config = AutoConfig.from_pretrained(directory, **files)
     except Exception as e:
+        # transformers refuses a type it does not know (or cannot map from GGUF) with advice
+        # that misleads here: "upgrade transformers", or for GGUF the truncation hint below.
+        model_type, architecture = _declared_type(directory, gguf_file)
+        if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(unsupported_message(model_type, architecture)) from e
         if gguf_file:  # gguf's parser fails on a short file with whatever it was reading
             raise ModelLoadError(
                 f"cannot read the GGUF file {where}: {one_line(e)} (if it is truncated or "
@@ -239,6 +275,12 @@ def _load(
     try:  # before the weights: it fails faster
         tokenizer = AutoTokenizer.from_pretrained(directory, **files)
     except Exception as e:
+        if gguf_file is None and not any((directory / n).exists() for n in _VOCABULARY_FILES):
+            # transformers' message then is about sentencepiece, which would not help
+            raise ModelLoadError(
+                f"cannot load the tokenizer at {where}: no tokenizer files there "
+                "(tokenizer.json): copy them from where the model came from"
+            ) from e
         raise ModelLoadError(f"cannot load the tokenizer at {where}: {one_line(e)}") from e
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -16,9 +16,21 @@ class CacheHomeError(ChunkCacheError, OSError):
 
 
 def home_path() -> Path:
-    """Where :func:`chunkcache_home` is, without creating it."""
+    """Where :func:`chunkcache_home` is, without creating it (a ``~`` that cannot be
+    expanded is left in: :func:`chunkcache_home` refuses it)."""
     override = os.environ.get("CHUNKCACHE_HOME")
-    return Path(override).expanduser() if override else Path(user_cache_dir("chunkcache"))
+    if not override:
+        return Path(user_cache_dir("chunkcache"))
+    return expand_user(Path(override)) or Path(override)
+
+
+def expand_user(path: Path) -> Path | None:
+    """``path`` with a leading ``~`` or ``~user`` expanded; None when there is no such home
+    (no such user, or no HOME for a user the system does not list)."""
+    try:
+        return path.expanduser()
+    except RuntimeError:  # what pathlib raises for it
+        return None
 
 
 def chunkcache_home() -> Path:
@@ -42,6 +54,11 @@ def is_utf8(path: Path) -> bool:
 
 
 def _make_dir(path: Path) -> Path:
+    if path.parts and path.parts[0].startswith("~"):  # else a folder named "~user" here
+        raise CacheHomeError(
+            f"cannot expand {path.parts[0]} in {path} (no such home directory): set "
+            "CHUNKCACHE_HOME to a writable directory"
+        )
     if not is_utf8(path):  # the model files there could be neither read nor written
         raise CacheHomeError(
             f"cannot use {str(path)!a} for chunkcache's files (not valid UTF-8): set "
