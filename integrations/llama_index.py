@@ -58,6 +58,7 @@ from llama_index.core.schema import (
     NodeWithScore,
     QueryBundle,
 )
+from llama_index.core.settings import Settings
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY, chunk_id_for
@@ -173,6 +174,19 @@ def _repeats(node: BaseNode, chunk_ids: dict[str, Any], cache: ChunkCache) -> bo
     return bool(node_text(node)) and _chunk_id(node, cache) in chunk_ids
 
 
+def _callback_manager_of(retriever: BaseRetriever) -> CallbackManager:
+    """The callback manager ``retriever`` traces with (LlamaIndex gives one without any
+    ``Settings.callback_manager`` on first use).
+
+    A wrapper shares it, as LlamaIndex's components share ``Settings.callback_manager``: a
+    manager clears its trace map only when a trace starts on it at the top, so one that
+    always runs nested under another's trace (the base's under the wrapper's, or a
+    wrapper's own under a query engine's) keeps every request's event ids for good.
+    """
+    manager = getattr(retriever, "callback_manager", None)
+    return manager if isinstance(manager, CallbackManager) else Settings.callback_manager
+
+
 def _union(keys: list[str], added: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys([*keys, *added]))
 
@@ -190,6 +204,10 @@ class ChunkCacheRetriever(BaseRetriever):
         conversation_id: the conversation to dedupe against; LlamaIndex passes
             no session to retrievers, so bind one here or with
             :meth:`for_conversation`.  Without one nothing is deduped.
+        callback_manager: LlamaIndex callbacks; by default the base retriever's, so a
+            request is one trace.  Pass one only if the base retriever and the query
+            engine use it too: a LlamaIndex manager that always runs nested under
+            another one's trace keeps two trace-map entries per request, for good.
 
     Wrapping a retriever that already is (or contains) a wrapper on the same cache is
     safe: the outermost wrapper plans each request once (with its own conversation id,
@@ -213,6 +231,8 @@ class ChunkCacheRetriever(BaseRetriever):
         conversation_id: str | None = None,
         callback_manager: CallbackManager | None = None,
     ) -> None:
+        if callback_manager is None:
+            callback_manager = _callback_manager_of(base_retriever)
         super().__init__(callback_manager=callback_manager)
         self._base_retriever = base_retriever
         self._cache = cache if cache is not None else default_cache()
