@@ -21,7 +21,14 @@ def home_path() -> Path:
     override = os.environ.get("CHUNKCACHE_HOME")
     if not override:
         return Path(user_cache_dir("chunkcache"))
-    return expand_user(Path(override)) or Path(override)
+    return user_path(override)
+
+
+def user_path(text: str | os.PathLike[str]) -> Path:
+    """The path a user typed, ``~`` expanded; as written when that home does not exist (then
+    it is not found, and the caller says so, rather than raising pathlib's RuntimeError)."""
+    path = Path(text)
+    return expand_user(path) or path
 
 
 def expand_user(path: Path) -> Path | None:

@@ -38,6 +38,7 @@ from chunkcache.core.corpus import (
     split_section,
 )
 from chunkcache.core.errors import ChunkCacheError, InvalidChunkError
+from chunkcache.core.paths import user_path
 
 TEXT_SUFFIXES = frozenset({".txt", ".md"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
@@ -218,7 +219,7 @@ def _json_question(line: str, where: str) -> UserQuestion:
 
 
 def _existing(path: str | os.PathLike[str], what: str) -> Path:
-    resolved = Path(path).expanduser()
+    resolved = user_path(path)
     if not resolved.exists():
         raise UserCorpusError(f"{what} {resolved} does not exist")
     return resolved

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from chunkcache.core.errors import ChunkCacheError
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
+from chunkcache.core.paths import user_path
 from chunkcache.core.store.redis_server import free_port
 
 VENV_ENV = "CHUNKCACHE_VLLM_VENV"
@@ -36,7 +37,7 @@ class VllmNotInstalledError(ChunkCacheError):
 def vllm_venv() -> Path:
     """The venv vLLM runs from: ``$CHUNKCACHE_VLLM_VENV`` or ``.venv-vllm`` in the repository."""
     override = os.environ.get(VENV_ENV)
-    return Path(override).expanduser() if override else DEFAULT_VENV
+    return user_path(override) if override else DEFAULT_VENV
 
 
 def vllm_python() -> Path:

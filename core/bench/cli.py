@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.core.corpus import DEFAULT_CHUNK_CHARS, MIN_CHUNK_CHARS
+from chunkcache.core.paths import user_path
 
 REPORTS = "docs/benchmarks"  # --out's default, a string so that argparse checks it as well
 CONVERSATIONS = "multi-turn conversations in the workload"
@@ -59,7 +60,7 @@ def existing_file(text: str) -> Path:
 
 
 def _existing(text: str, check: Callable[[Path], bool], what: str) -> Path:
-    path = Path(text).expanduser()
+    path = user_path(text)
     if not check(path):
         problem = f"is not {what}" if path.exists() else "does not exist"
         raise argparse.ArgumentTypeError(f"{path} {problem}")
@@ -69,7 +70,7 @@ def _existing(text: str, check: Callable[[Path], bool], what: str) -> Path:
 def report_dir(text: str) -> Path:
     """An argparse ``type``: a folder the reports can be written to, or one that can be made
     (so a run does not end with its reports unwritable)."""
-    path = Path(text).expanduser()
+    path = user_path(text)
     nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not nearest.is_dir():
         problem = "is a file, not a folder" if nearest == path else f"is under a file, {nearest}"
