@@ -9,12 +9,15 @@ chunkcache serve [--port P]     an OpenAI-compatible server over the engine (doc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import errno
 import os
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_warm_parser(commands: Any) -> None:
     warm = commands.add_parser(
-        "warm", help="precompute chunk KV of the bundled corpus or a folder into the store"
+        "warm",
+        help="precompute chunk KV of the bundled corpus, a folder or a Chroma collection into "
+        "the store",
     )
     source = warm.add_mutually_exclusive_group()
     source.add_argument(
@@ -230,10 +235,13 @@ def _add_serve_parser(commands: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command ``argv`` names; a user's mistake exits with one line (2 from argparse,
     else 1), a bug with its traceback.  Ctrl-C exits quietly with 130; output piped into a
-    reader that stops early (``| head``) ends it quietly with 1 (Python's "Note on SIGPIPE")."""
+    reader that stops early (``| head``) ends it quietly with 1 (Python's "Note on SIGPIPE").
+    SIGTERM (``kill``, a CI timeout) exits with 143 through the same clean-up as Ctrl-C, so a
+    vLLM or Redis server a command started is stopped, not left running in its own session."""
     try:
         try:
-            _run(argv)
+            with _sigterm_exits():
+                _run(argv)
         finally:
             sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit
     except KeyboardInterrupt:
@@ -243,6 +251,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) while inside (Python's default ends the process
+    without unwinding); the handler before is put back after.  Main thread only, where
+    Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run(argv: Sequence[str] | None) -> None:
