@@ -3,11 +3,14 @@
 Put it where any chat model goes and build the prompt any way you like: the
 messages are rendered with the backend's chat template, and the chunks a
 :class:`~chunkcache.integrations.langchain.ChunkCacheRetriever` returned are found
-in the rendered prompt by exact text, wherever the template put them.
+in the rendered prompt by exact text, wherever the template put them: put the documents'
+text in the template (a ``Document`` list itself renders as its repr, escaped, and no chunk
+is found).
 
 >>> llm = ChunkCacheLLM(max_tokens=64)  # doctest: +SKIP
+>>> context = "\n\n".join(doc.page_content for doc in docs)  # doctest: +SKIP
 >>> answer = (prompt | llm).invoke(  # doctest: +SKIP
-...     {"question": q, "context": docs}, config={"configurable": {"session_id": "user-42"}}
+...     {"question": q, "context": context}, config={"configurable": {"session_id": "user-42"}}
 ... )
 >>> answer.usage_metadata["input_token_details"]["cache_read"]  # doctest: +SKIP
 >>> answer.response_metadata["chunkcache"]["chunk_hits"]  # doctest: +SKIP
