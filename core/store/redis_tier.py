@@ -16,7 +16,14 @@ probes the server again.  The first call the server answers after that tells
 ``up_listeners`` (the tiered store then writes what it could not write meanwhile).  A
 connection error (not a timeout) the server answers a ping right after is one request it
 refused (a blob over its ``proto-max-bulk-len`` closes the connection): that request
-misses, counted, and the tier stays up.  An entry larger than the tier is not written.
+misses, counted, and the tier stays up.  A server that does not answer in the Redis protocol
+(``redis_url`` at another service's port) is down the same way.  An entry larger than the
+tier is not written.
+
+A failure the server answers (out of memory under ``noeviction``, a read-only replica, a
+refused script) misses that call, counted in ``num_errors``; it is logged as a warning the
+first time, then at most every :data:`WARN_EVERY_S` per kind, since a full server refuses
+every write of every request.
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ from chunkcache.core.store.tier import Evicted, Victim
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+WARN_EVERY_S = 600.0  # a failure that keeps coming back is logged this often
+
+# What an operator can do about a failure; redis-py's messages say what, not why.
+_HINTS: tuple[tuple[type[Exception], str], ...] = (
+    (redis.AuthenticationError, "Redis refused the login: check user and password in redis_url"),
+    (redis.InvalidResponse, "no answer in the Redis protocol: is redis_url a Redis server?"),
+    (redis.OutOfMemoryError, "the server is at its maxmemory: keep redis_bytes below it"),
+    (redis.ReadOnlyError, "a read-only replica: point redis_url at the primary"),
+)
 
 # A clock that is not a number, or gone (a ``maxmemory`` policy evicts any key), restarts
 # above the newest tick: from 1, a new or touched entry would be the next victim.
@@ -160,6 +176,7 @@ class RedisTier:
         self._remove = self._client.register_script(_REMOVE)
         self._down_since: float | None = None
         self._lock = threading.Lock()
+        self._warned: dict[str, float] = {}  # error kind -> when it was last logged loud
         # called (no arguments, in the calling thread) when the server answers after being down
         self.up_listeners: list[Callable[[], None]] = []
         self._guard(self._client.ping, False)
@@ -243,23 +260,26 @@ class RedisTier:
                 return default
         try:
             result = call()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+        except (redis.ConnectionError, redis.TimeoutError, redis.InvalidResponse, OSError) as error:
             self.num_errors += 1
             # A closed connection the server answers a ping right after was this request's
             # alone (too big); after a timeout every request would wait as long: down.
             if not isinstance(error, redis.TimeoutError | TimeoutError) and self._answers():
-                log.warning("Redis tier %s: %s", self.name, error)
+                self._warn(error)
                 return default
             with self._lock:
                 if self._down_since is None:
                     log.warning(
-                        "Redis tier %s is down (%s): using the local tiers", self.name, error
+                        "Redis tier %s is down (%s%s): using the local tiers",
+                        self.name,
+                        error,
+                        _hint(error),
                     )
                 self._down_since = time.monotonic()
             return default
         except redis.RedisError as error:
             self.num_errors += 1
-            log.warning("Redis tier %s: %s", self.name, error)
+            self._warn(error)
             return default
         with self._lock:
             back = self._down_since is not None
@@ -270,6 +290,18 @@ class RedisTier:
                 listener()
         return result
 
+    def _warn(self, error: Exception) -> None:
+        """Log a failure of one call: a warning the first time of its kind, and again after
+        :data:`WARN_EVERY_S`; debug in between (``num_errors`` counts every one)."""
+        kind, now = type(error).__name__, time.monotonic()
+        with self._lock:
+            last = self._warned.get(kind)
+            loud = last is None or now - last >= WARN_EVERY_S
+            if loud:
+                self._warned[kind] = now
+        level = logging.WARNING if loud else logging.DEBUG
+        log.log(level, "Redis tier %s: %s%s", self.name, error, _hint(error))
+
     def _answers(self) -> bool:
         """Whether the server answers a ping now, after a request failed: a server that
         closes the connection on one oversized request is not down."""
@@ -277,6 +309,11 @@ class RedisTier:
             return bool(self._client.ping())
         except (redis.RedisError, OSError):
             return False
+
+
+def _hint(error: Exception) -> str:
+    """``"; "`` and what to do about ``error``, or nothing when there is no advice."""
+    return next((f"; {hint}" for kind, hint in _HINTS if isinstance(error, kind)), "")
 
 
 def _is_hash(member: bytes) -> bool:

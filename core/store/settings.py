@@ -7,7 +7,8 @@ JSON file (``StoreSettings.from_file(path)``, or the file named by
 A ``CHUNKCACHE_STORE_*`` variable that names no field (a misspelt ``DISK_DIR`` would
 otherwise put the cache elsewhere) is refused with :class:`~chunkcache.core.errors.UsageError`,
 as are a settings file that does not parse or holds no table of settings, and a ``redis_url``
-redis-py would refuse only when the tier connects.
+redis-py would refuse only when the tier connects.  Printed settings (``repr``, ``str``) show
+the ``redis_url`` password as ``***``.
 
 Example ``store.toml``::
 
@@ -23,9 +24,10 @@ import contextvars
 import json
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field
 from pydantic_settings import (
@@ -90,6 +92,14 @@ class StoreSettings(CheckedEnvSettings):
             # password.
             if self.redis_url:
                 _check_redis_url(self.redis_url)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # repr() and str() show the settings; a printed or reported (a traceback's locals)
+        # redis_url keeps its password out.
+        for name, value in super().__repr_args__():
+            if name == "redis_url" and isinstance(value, str):
+                value = _masked_url(value)
+            yield name, value
 
     @classmethod
     def settings_customise_sources(
@@ -156,6 +166,18 @@ def _read_config(path: Path, where: str | Path) -> dict[str, Any]:
     return values
 
 
+def _masked_url(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query option, as
+    redis-py reads both) shown as ``***``."""
+    parts = urlsplit(url)
+    user, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user:
+        user = user.split(":", 1)[0] + ":***"
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, True)]
+    shown = f"{parts.scheme}://{user}{at}{host}{parts.path}"  # unix:// keeps its empty host
+    return f"{shown}?{urlencode(query, safe='*')}" if query else shown
+
+
 def _check_redis_url(url: str) -> None:
     """:class:`UsageError` unless redis-py can connect to ``url``; the message never quotes
     it, which may hold a password."""
@@ -164,11 +186,16 @@ def _check_redis_url(url: str) -> None:
         raise UsageError(
             f"{name} must start with redis://, rediss:// or unix://, like redis://localhost:6379/0"
         )
+    parts = urlsplit(url)
     try:
-        port = urlsplit(url).port
+        port = parts.port
     except ValueError:
         port = 0
     if port == 0:  # redis-py takes port 0 as no port at all: 6379
+        if "@" in url and "@" not in parts.netloc:
+            # '/', '?' or '#' in a password ends the host part early: the password reads
+            # as the port
+            raise UsageError(f"{name}: percent-encode / ? # in its password (%2F %3F %23)")
         raise UsageError(f"{name} has a port that is not a number in 1-65535")
     try:
         from redis.connection import parse_url
