@@ -229,8 +229,12 @@ class TieredKVStore(TieredReads):
             counts = out["tiers"][tier.name]
             counts.update(capacity_bytes=tier.capacity_bytes, bytes=tier.num_bytes)
             counts["entries"] = len(tier)
-            if hasattr(tier, "up"):
+            if hasattr(tier, "up"):  # Redis: what it refused or evicted server-side it
+                # counts itself (that request misses, never fails); a full Redis must not
+                # show no errors
                 counts["up"] = tier.up
+                counts["errors"] += getattr(tier, "num_errors", 0)
+                counts["evictions"] += getattr(tier, "num_evictions", 0)
             if i in self._pending:
                 with self._lock:
                     counts["backfill_pending"] = len(self._pending[i])
