@@ -36,3 +36,9 @@ def test_a_vllm_venv_override_says_vllm_is_not_installed(monkeypatch: pytest.Mon
     monkeypatch.setenv("CHUNKCACHE_VLLM_VENV", NO_HOME)
     with pytest.raises(VllmNotInstalledError):
         vllm_python()
+
+
+def test_a_store_disk_dir_under_an_unknown_home_is_kept_as_written() -> None:
+    from chunkcache.core.store.settings import StoreSettings
+
+    assert StoreSettings(disk_dir=NO_HOME).resolved_disk_dir() == Path(NO_HOME)

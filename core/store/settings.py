@@ -39,6 +39,7 @@ from pydantic_settings import (
 
 from chunkcache.core.env_settings import CheckedEnvSettings
 from chunkcache.core.errors import UsageError
+from chunkcache.core.paths import home_subdir, user_path
 
 if TYPE_CHECKING:
     from chunkcache.core.store.tier import Tier
@@ -136,8 +137,7 @@ class StoreSettings(CheckedEnvSettings):
     def resolved_disk_dir(self) -> Path:
         """The disk tier's directory (created on demand by the tier)."""
         if self.disk_dir is not None:
-            return self.disk_dir.expanduser()
-        from chunkcache.core.paths import home_subdir
+            return user_path(self.disk_dir)
 
         return home_subdir("kv")
 
