@@ -41,4 +41,4 @@ def test_a_vllm_venv_override_says_vllm_is_not_installed(monkeypatch: pytest.Mon
 def test_a_store_disk_dir_under_an_unknown_home_is_kept_as_written() -> None:
     from chunkcache.core.store.settings import StoreSettings
 
-    assert StoreSettings(disk_dir=NO_HOME).resolved_disk_dir() == Path(NO_HOME)
+    assert StoreSettings(disk_dir=Path(NO_HOME)).resolved_disk_dir() == Path(NO_HOME)
