@@ -6,9 +6,10 @@ would have merged across a segment boundary is split there; every policy,
 ``full`` included, sees the same tokens, so quality comparisons isolate KV reuse.
 
 A chunk's segment id is its chunk id plus a hash of its tokens
-(:func:`~chunkcache.core.chunk_ids.chunk_key`), and its tokens are cached by chunk id
-and text, so an id sent with another text than before is a miss, never the old
-text's tokens or KV.
+(:func:`~chunkcache.core.chunk_ids.chunk_key`), and its tokens are cached by its text
+(a 16-byte BLAKE2b digest of it), so an id sent with another text than before is a
+miss, never the old text's tokens or KV.  The cache is bounded by tokens as well as by
+chunks, so a long-running service with long chunks keeps tens of megabytes, not gigabytes.
 
 A segment is tokenized as it sits inside the prompt.  SentencePiece-style tokenizers
 (Llama-2, Mistral: a ``Metaspace`` pre-tokenizer that prepends ``▁``, or a ``Prepend``
@@ -28,8 +29,10 @@ template.  The app's own text around the chunks (the template) keeps its special
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -90,16 +93,45 @@ def _unprefixed_backend(tokenizer: Any, *, special_as_text: bool = False) -> Any
     return unprefixed
 
 
-class SegmentTokenizer:
-    """Turns text/chunk segments into :class:`TokenSegment`; LRU cache of chunk tokens."""
+# A cached entry costs 4 B per token (array('I')) plus ~200 B (its key, the array and the
+# dict slot), so the defaults keep at most ~16 MB of ids + ~10 MB of entries: ~16,000
+# chunks of 1,000 characters (~250 tokens).  A miss costs one tokenizer call, far less than
+# the prefill it goes with.
+DEFAULT_MAX_CACHED_TOKENS = 4_000_000
+DEFAULT_MAX_CACHED_CHUNKS = 50_000
 
-    def __init__(self, tokenizer: Any, max_cached_chunks: int = 50_000) -> None:
+
+class SegmentTokenizer:
+    """Turns text/chunk segments into :class:`TokenSegment`; LRU cache of chunk tokens,
+    bounded by ``max_cached_tokens`` in all and ``max_cached_chunks`` entries."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_cached_chunks: int = DEFAULT_MAX_CACHED_CHUNKS,
+        max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
+    ) -> None:
+        if max_cached_chunks < 0 or max_cached_tokens < 0:
+            raise ValueError("token cache bounds must not be negative")
         self.tokenizer = tokenizer
         self.max_cached_chunks = max_cached_chunks
+        self.max_cached_tokens = max_cached_tokens
         self._unprefixed = _unprefixed_backend(tokenizer)
         self._chunk_backend = _unprefixed_backend(tokenizer, special_as_text=True)
-        self._chunks: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        # digest of the chunk's UTF-8 text -> its ids: the text itself is not kept
+        self._chunks: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._num_cached_tokens = 0
         self._lock = threading.Lock()
+
+    @property
+    def num_cached_chunks(self) -> int:
+        """Chunks whose tokens are cached."""
+        return len(self._chunks)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens cached in all (at most ``max_cached_tokens``)."""
+        return self._num_cached_tokens
 
     def encode(self, text: str, at_start: bool = False) -> tuple[int, ...]:
         """Token ids of ``text`` inside a prompt, or at its start if ``at_start`` (where a
@@ -113,7 +145,7 @@ class SegmentTokenizer:
         token_segments: list[TokenSegment] = []
         for segment in segments:
             if isinstance(segment, ChunkSegment):
-                ids = self._chunk_ids(segment.chunk_id, segment.text)
+                ids = self._chunk_ids(segment.text)
                 token = TokenSegment(chunk_key(segment.chunk_id, ids), ids, is_chunk=True)
             elif segment.text:
                 ids = self.encode(segment.text, at_start=not token_segments)
@@ -124,23 +156,41 @@ class SegmentTokenizer:
                 token_segments.append(token)
         return token_segments
 
-    def _chunk_ids(self, chunk_id: str, text: str) -> tuple[int, ...]:
-        key = (chunk_id, text)
+    def _chunk_ids(self, text: str) -> tuple[int, ...]:
+        """A chunk's token ids, from the cache when its text is there.  The ids depend on
+        the text alone, so one text under two chunk ids is one entry."""
+        # 128 bits: a collision (another text's ids) is out of reach by chance.
+        key = hashlib.blake2b(check_unicode(text).encode("utf-8"), digest_size=16).digest()
         with self._lock:
-            ids = self._chunks.get(key)
-            if ids is not None:
+            cached = self._chunks.get(key)
+            if cached is not None:
                 self._chunks.move_to_end(key)
-                return ids
+                return tuple(cached)
         ids = self._encode_chunk(text)
-        with self._lock:
-            self._chunks[key] = ids
-            while len(self._chunks) > self.max_cached_chunks:
-                self._chunks.popitem(last=False)
+        self._remember(key, ids)
         return ids
+
+    def _remember(self, key: bytes, ids: tuple[int, ...]) -> None:
+        """Cache ``ids``, least recently used out first; a chunk over the whole budget is not
+        cached (it would evict everything else and then itself)."""
+        if len(ids) > self.max_cached_tokens:
+            return
+        stored = array("I", ids)  # 4 B a token, where a tuple of ints takes ~36 B
+        with self._lock:
+            replaced = self._chunks.pop(key, None)  # two threads may both have missed it
+            if replaced is not None:
+                self._num_cached_tokens -= len(replaced)
+            self._chunks[key] = stored
+            self._num_cached_tokens += len(stored)
+            while (
+                len(self._chunks) > self.max_cached_chunks
+                or self._num_cached_tokens > self.max_cached_tokens
+            ):
+                _, evicted = self._chunks.popitem(last=False)
+                self._num_cached_tokens -= len(evicted)
 
     def _encode_chunk(self, text: str) -> tuple[int, ...]:
         """A chunk's token ids: as :meth:`encode` inside a prompt, special-token text as text."""
-        check_unicode(text)
         if self._chunk_backend is None:  # no tokenizers backend: transformers' own switch
             encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
             return tuple(encoded["input_ids"])
