@@ -9,7 +9,10 @@ is what the multi-turn layout helpers guarantee.
 The ledger is bounded: at most ``max_conversations`` (least recently used go
 first), each forgotten ``ttl_s`` seconds after its last use, each holding at
 most ``max_chunks_per_conversation`` ids (the ones put in a prompt longest ago go
-first).  All methods are thread-safe.
+first).  An id costs ~100 bytes, so the worst case is ``max_conversations x
+max_chunks_per_conversation x 100`` bytes: 400 MB in :class:`ChunkCache`'s default
+ledger (2,000 conversations), 2 GB in a ledger made with the defaults here.  Forgetting
+an id is always safe: the chunk is sent again.  All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from chunkcache.core.errors import InvalidConversationIdError
 DedupeMode = Literal["drop", "mark", "off"]
 DEDUPE_MODES: tuple[DedupeMode, ...] = get_args(DedupeMode)
 MAX_CONVERSATION_ID_LENGTH = 256
+# Twice a conversation of 100 turns x 10 chunks; 2,000 chunks of ~250 tokens are 500,000
+# tokens, more than any prompt holds, so a conversation past it has dropped its oldest
+# chunks from the prompt anyway.  At 10,000 ids a conversation, ChunkCache's 2,000
+# conversations could keep 20 million ids (~2 GB) for nothing.
+DEFAULT_MAX_CHUNKS_PER_CONVERSATION = 2_000
 
 
 def check_dedupe_mode(mode: str) -> DedupeMode:
@@ -77,7 +85,7 @@ class ConversationLedger:
         self,
         max_conversations: int = 10_000,
         ttl_s: float = 24 * 3600.0,
-        max_chunks_per_conversation: int = 10_000,
+        max_chunks_per_conversation: int = DEFAULT_MAX_CHUNKS_PER_CONVERSATION,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_conversations < 1 or max_chunks_per_conversation < 1 or ttl_s <= 0:
