@@ -67,6 +67,25 @@ class ChunkCache:
     (a vLLM server at ``base_url`` serving ``model``).  A named backend is created
     on first use.
 
+    What it remembers, and the arguments that bound it (least recently used goes first):
+
+    - ``window`` (default 1,000 requests): the access table counts the chunks of the last
+      ``window`` requests (``window x k`` ids at most) and the prefix tree keeps at most
+      ``16 x window`` nodes.  ``promotion_threshold`` is how many of those requests a chunk
+      needs before the tree caches prefixes through it.
+    - ``ledger``: the chunk ids each conversation has already put in its prompts.  The
+      default keeps the ``2 x window`` most recently active conversations, each for 24 h
+      after its last turn and with at most 2,000 ids (~200 KB); a forgotten conversation
+      only has its chunks sent again.  For hundreds of thousands of live conversations
+      pass ``ConversationLedger(max_conversations=..., ttl_s=...)``: memory grows with
+      ``max_conversations``, so raise it only as far as a turn's dedupe is worth.
+    - ``registry``: the text of recently retrieved chunks, for the LLM side to find them
+      in prompts.  The default keeps ``20 x window`` chunks and at most 256 Mi characters;
+      a chunk it no longer holds is sent as plain text.  Pass
+      ``ChunkRegistry(max_chunks=..., max_chars=...)`` to change that.
+
+    The backend's KV store and token cache have bounds of their own.
+
     >>> ChunkCache(backend="http", base_url="http://127.0.0.1:8000").stats()["requests"]
     0
     """
