@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import SecretStr
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, get_route_path
 
 from chunkcache.core.cache import ChunkCache
 from chunkcache.core.errors import ChunkCacheError
@@ -69,14 +70,16 @@ def create_app(
                 trimmer.stop()
         await anyio.to_thread.run_sync(state.close)
 
-    app = FastAPI(title="chunkcache serve", lifespan=lifespan)
+    # No 307 to the path without its trailing slash: POST clients do not follow it, and
+    # its body is empty; the 404 names the path instead (_http_error).
+    app = FastAPI(title="chunkcache serve", lifespan=lifespan, redirect_slashes=False)
     app.state.serve = state
     app.add_middleware(
         ServeMiddleware, metrics=state.metrics, max_bytes=state.settings.max_body_bytes
     )
     app.add_exception_handler(RequestValidationError, handle_validation_error)
-    # Anything else is ServeMiddleware's logged 500.
-    for expected in (ServeError, ChunkCacheError, ValueError, TypeError):
+    # Anything else (a TypeError too: a bug) is ServeMiddleware's logged 500.
+    for expected in (ServeError, ChunkCacheError, ValueError):
         app.add_exception_handler(expected, handle_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_open_routes(state))
@@ -119,6 +122,8 @@ def _v1_routes(state: ServeState) -> APIRouter:
 
     @router.get("/models/{model:path}")  # a model name may hold a "/"
     async def model(model: str) -> dict[str, Any]:
+        if not model:  # "/v1/models/": a wrong path, not a model named ""
+            raise HTTPException(404)
         state.check_model(model)
         return card()
 
@@ -192,7 +197,29 @@ async def _http_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, HTTPException)
     # a 405 keeps its Allow header
     headers = dict(error.headers or {})
-    return ServeError(error.status_code, str(error.detail), headers=headers).response()
+    message = _wrong_path(request) if error.status_code == 404 else str(error.detail)
+    return ServeError(error.status_code, message, headers=headers).response()
+
+
+def _wrong_path(request: Request) -> str:
+    """The 404 of a path no route serves (OpenAI's words), naming the path the client
+    likely meant: with ``/v1`` in front (a base_url without it) or without a trailing slash."""
+    message = f"Invalid URL ({request.method} {request.url.path})"
+    root = request.scope.get("root_path", "")
+    for path, why in _meant(get_route_path(request.scope)):
+        scope = {**request.scope, "path": root + path}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            return f"{message}: did you mean {request.method} {root}{path}? ({why})"
+    return message
+
+
+def _meant(path: str) -> list[tuple[str, str]]:
+    """Paths a client may have meant by ``path``, each with what was wrong with it."""
+    bare = path.rstrip("/") or "/"
+    meant = [(bare, "no trailing slash")] if bare != path else []
+    if bare != "/v1" and not bare.startswith("/v1/"):
+        meant.append((f"/v1{bare}", "the API is under /v1: a client's base_url ends with /v1"))
+    return meant
 
 
 __all__ = ["create_app"]

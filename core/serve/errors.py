@@ -5,7 +5,9 @@ failure                                    status  error type (code)
 =========================================  ======  ====================================
 bad body, bad policy, empty messages, a    400     invalid_request_error
 bad seed, text with a lone surrogate,
-messages the chat template refuses
+messages the chat template refuses, a
+ChunkCacheError or ValueError (a plain
+ValueError logged: it may be a bug)
 max_tokens over ``max_tokens_limit``       400     invalid_request_error (max_tokens_too_large)
 prompt over ``max_prompt_chars``, or       400     invalid_request_error (prompt_too_long)
 (plus max_tokens) over the context window,
@@ -16,7 +18,7 @@ body larger than ``max_body_bytes``        413     invalid_request_error (body_t
 queue full                                 429     rate_limit_error (queue_full), Retry-After
 shutting down                              503     service_unavailable (shutting_down)
 the engine stopped or failed               503     service_unavailable (backend_unavailable)
-anything else (logged)                     500     server_error
+anything else, a TypeError too (logged)    500     server_error
 =========================================  ======  ====================================
 
 A 400 names the request field at fault in the error's ``param`` when there is one
@@ -86,9 +88,14 @@ def serve_error(error: BaseException) -> ServeError:
         return ServeError(503, str(error), "service_unavailable", "backend_unavailable")
     if isinstance(error, PromptTooLongError):
         return ServeError(400, str(error), code="prompt_too_long")
-    # InvalidChunkError, bad policy or sampling values: the caller's input.
-    if isinstance(error, ChunkCacheError | ValueError | TypeError):
+    if isinstance(error, ChunkCacheError):  # InvalidChunkError, InvalidTextError...: refusals
         return ServeError(400, str(error))
+    if isinstance(error, ValueError):
+        # The library's way to refuse input (bad sampling values, a prompt with no tokens)
+        # but a bug's too: answered as a refusal, logged so a bug does not go unseen.
+        log.warning("chunkcache serve: a ValueError answered as a 400", exc_info=error)
+        return ServeError(400, str(error))
+    # A TypeError too: the body was validated, so a wrong type is the server's own bug.
     log.error("chunkcache serve: request failed", exc_info=error)
     return ServeError(500, f"internal error: {type(error).__name__}", "server_error")
 
