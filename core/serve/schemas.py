@@ -10,7 +10,8 @@ Every generation request may carry a ``chunkcache`` object (with the ``openai`` 
 A chunk without ``id`` gets its content hash, as the retrievers compute it.  Fields
 OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, content parts other
 than text, ...) are refused with a 400 naming the field (the error's ``param``) rather than
-silently ignored; other unknown fields (``user``, a message's ``name``...) are ignored.  A null
+silently ignored; other unknown fields (``user``, a message's ``name``...) are ignored.  A field
+of another JSON type (``"3"`` or ``true`` for an integer) is refused, as OpenAI does.  A null
 ``temperature``, ``top_p``, ``n``, ``stream`` or ``chunkcache`` means its default, as
 OpenAI reads it; ``stop`` takes at most 16 strings, and an empty one is ignored;
 ``temperature`` is any finite number >= 0 (OpenAI caps it at 2;
@@ -44,6 +45,9 @@ MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
 StopString = Annotated[str, AfterValidator(check_unicode)]
+# Every body takes a field of its JSON type only, as OpenAI's API does: no "3" for 3, no true
+# for 1, no "yes" for true (a JSON integer is still a number where a float is taken).
+STRICT = ConfigDict(strict=True)
 # Present and not null/false/empty: the request asks for something this server cannot do.
 UNSUPPORTED = (
     "tools",
@@ -69,7 +73,7 @@ ASKS_NOTHING = {"tool_choice": "none", "function_call": "none"}
 class ChunkRef(BaseModel):
     """One chunk: its id (content hash when omitted) and its exact text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str | None = Field(default=None, max_length=128)
     text: Text = Field(min_length=1)
@@ -82,7 +86,7 @@ class ChunkRef(BaseModel):
 class ChunkCacheOptions(BaseModel):
     """The ``chunkcache`` extension object of a generation request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     chunks: list[ChunkRef] | None = Field(default=None, max_length=MAX_CHUNKS_PER_REQUEST)
     match_registered: bool = True
@@ -93,6 +97,8 @@ class ChunkCacheOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -107,6 +113,8 @@ def _refusal(*fields: str) -> PydanticCustomError:
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: Text
 
@@ -138,6 +146,8 @@ def _as_parts(content: Any) -> Any:
 class ChatMessage(BaseModel):
     """A chat message with text content (a string or text parts).  Its ``name`` is ignored,
     as chat templates ignore it."""
+
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[
@@ -198,7 +208,7 @@ NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "chunkcache"
 class GenerationBody(BaseModel):
     """What chat and text completions share: sampling, streaming, the extension."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -280,7 +290,8 @@ class ChatCompletionBody(GenerationBody):
 
 
 class CompletionBody(GenerationBody):
-    prompt: Annotated[Text, BeforeValidator(_one_prompt)]
+    # An empty prompt has no token to start from: the engine would refuse it.
+    prompt: Annotated[Text, BeforeValidator(_one_prompt)] = Field(min_length=1)
 
     def unsupported_fields(self) -> list[str]:
         asked = super().unsupported_fields()
@@ -294,7 +305,7 @@ class CompletionBody(GenerationBody):
 class ChunksBody(BaseModel):
     """``POST /v1/chunks``: chunks to find in later prompts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     chunks: list[ChunkRef] = Field(min_length=1, max_length=MAX_CHUNKS_PER_REQUEST)
 
@@ -302,7 +313,7 @@ class ChunksBody(BaseModel):
 class RenderBody(BaseModel):
     """``POST /v1/chunkcache/render``: chat messages to render with the model's template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     messages: list[ChatMessage] = Field(min_length=1)
 
