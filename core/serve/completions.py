@@ -1,5 +1,5 @@
-"""One completion request end to end: prepare, run through the :class:`Runner`, answer whole
-as JSON or streamed as SSE, and stop the engine's work as soon as the client goes away.
+"""One completion request end to end: admit, prepare, run through the :class:`Runner`, answer
+whole as JSON or streamed as SSE, and stop the engine's work as soon as the client goes away.
 
 A client that disconnects while its request waits (queued, in prefill, or between pieces of a
 non-streamed answer) is noticed by a watcher on the ASGI ``receive`` channel, which cancels
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from chunkcache.core.generation import GenerationRequest as EngineRequest
 from chunkcache.core.generation import GenerationStats
 from chunkcache.core.serve.responses import Kind, Reply
+from chunkcache.core.serve.runner import Ticket
 from chunkcache.core.serve.schemas import GenerationBody
 from chunkcache.core.serve.state import ServeState
 from chunkcache.core.serve.streaming import SSEResponse, sse_events
@@ -36,24 +37,34 @@ async def generate(
     request: Request,
     prepare: Callable[[], EngineRequest],
 ) -> Response:
-    """Run one completion: streamed as SSE, or whole as JSON."""
-    engine_request = await anyio.to_thread.run_sync(prepare)  # template, segmenting: CPU
+    """Run one completion: streamed as SSE, or whole as JSON.  A full queue or a shutdown
+    refuses it before any work on it (``prepare``: the chat template, segmenting)."""
+    ticket = state.runner.admit()
+    try:
+        engine_request = await anyio.to_thread.run_sync(prepare)  # CPU, in a thread
+    except BaseException:
+        ticket.withdraw()
+        raise
     reply = Reply(kind, state.model_name)
     if body.stream:
         # refusals and bad input raise here, before the stream starts
-        pieces = await unless_disconnected(request, state.runner.open(engine_request))
+        pieces = await unless_disconnected(request, state.runner.open(engine_request, ticket))
         if pieces is None:
+            ticket.release()  # cancelled, also when the runner never started on it
             return Response(status_code=CLIENT_GONE)
         return SSEResponse(sse_events(reply, pieces, body.include_usage()))
-    whole = await unless_disconnected(request, _whole(state, engine_request))
+    whole = await unless_disconnected(request, _whole(state, engine_request, ticket))
     if whole is None:
+        ticket.release()
         return Response(status_code=CLIENT_GONE)
     return JSONResponse(reply.whole(*whole))
 
 
-async def _whole(state: ServeState, request: EngineRequest) -> tuple[str, GenerationStats]:
-    """The whole text and the stats of ``request``."""
-    pieces = await state.runner.open(request)
+async def _whole(
+    state: ServeState, request: EngineRequest, ticket: Ticket
+) -> tuple[str, GenerationStats]:
+    """The whole text and the stats of ``request``, admitted with ``ticket``."""
+    pieces = await state.runner.open(request, ticket)
     texts, stats = [], None
     try:
         async for piece in pieces:

@@ -31,15 +31,21 @@ EMA_WEIGHT = 0.2  # of the newest request in the running mean of request seconds
 
 class Ticket:
     """One admitted request's place, given back exactly once with the request's outcome
-    (``completed``, ``failed``, ``refused``; ``cancelled`` when dropped unreleased)."""
+    (``completed``, ``failed``, ``refused``; ``cancelled`` when dropped unreleased), or
+    withdrawn uncounted when the request was refused before it reached the backend."""
 
     def __init__(self, runner: Runner) -> None:
         self._runner: Runner | None = runner
 
-    def release(self, outcome: str = "cancelled") -> None:
+    def release(self, outcome: str | None = "cancelled") -> None:
+        """Give the place back, counting a generation with ``outcome`` unless it is None."""
         runner, self._runner = self._runner, None
         if runner is not None:
             runner._leave(outcome)
+
+    def withdraw(self) -> None:
+        """Give the place back uncounted: the request never reached the backend."""
+        self.release(None)
 
     def __del__(self) -> None:
         # The garbage collector runs this on whatever thread allocates, maybe one that holds
@@ -105,10 +111,13 @@ class Runner:
             retry_after_s=math.ceil(retry),
         )
 
-    def _leave(self, outcome: str) -> None:
+    def _leave(self, outcome: str | None) -> None:
         with self._lock:
             self._in_flight -= 1
-        self.metrics.inc("chunkcache_generations_total", "generations by outcome", outcome=outcome)
+        if outcome is not None:
+            self.metrics.inc(
+                "chunkcache_generations_total", "generations by outcome", outcome=outcome
+            )
 
     def _take_dropped(self) -> int:
         """Give back the places of tickets dropped unreleased since the last call (under
@@ -126,11 +135,14 @@ class Runner:
                 "chunkcache_generations_total", "generations by outcome", count, outcome="cancelled"
             )
 
-    async def open(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk]:
-        """Admit ``request`` and run it up to its first piece, so a refusal or bad input
-        raises here, before any response starts; the returned iterator yields every piece
-        (the last carries the stats).  Closing it early closes the backend's stream."""
-        ticket = self.admit()
+    async def open(
+        self, request: GenerationRequest, ticket: Ticket | None = None
+    ) -> AsyncGenerator[GenerationChunk]:
+        """Admit ``request`` (unless its ``ticket`` was taken already) and run it up to its
+        first piece, so a refusal or bad input raises here, before any response starts; the
+        returned iterator yields every piece (the last carries the stats).  Closing it early
+        closes the backend's stream."""
+        ticket = self.admit() if ticket is None else ticket
         try:
             source = iter(await asyncio.to_thread(self.backend.stream, request))
         except BaseException as error:
