@@ -57,7 +57,7 @@ from chunkcache.core.chunk_placing import placing
 from chunkcache.core.craft import CraftConfig, CraftMeta
 from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
 from chunkcache.core.craft_probe import Span
-from chunkcache.core.errors import PromptTooLongError
+from chunkcache.core.errors import EmptyPromptError, PromptTooLongError
 from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
 from chunkcache.core.kv_store import (
     ROOT_CONTEXT,
@@ -219,7 +219,7 @@ class ChunkEngine:
         started = time.perf_counter()
         ids = [token for segment in segments for token in segment.ids]
         if not ids:
-            raise ValueError("the prompt has no tokens")
+            raise EmptyPromptError("the prompt has no tokens")
         window = self.lm.spec.context_window
         if len(ids) + reserve > window:
             raise PromptTooLongError(

@@ -13,6 +13,10 @@ class InvalidTextError(ChunkCacheError, ValueError):
     """Prompt text the model cannot read: not valid Unicode (a lone surrogate)."""
 
 
+class EmptyPromptError(ChunkCacheError, ValueError):
+    """The prompt has no tokens: there is nothing to predict the first token from."""
+
+
 class PromptTooLongError(ChunkCacheError, ValueError):
     """The prompt (plus the tokens to generate) does not fit the model's context window."""
 

@@ -15,7 +15,7 @@ from tiny_models import tiny_lm
 from chunkcache.core.batching import BatchingBackend
 from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.engine import ChunkEngine, Prefilled, PromptTooLongError, TokenSegment
-from chunkcache.core.errors import QueueFullError, ShuttingDownError
+from chunkcache.core.errors import EmptyPromptError, QueueFullError, ShuttingDownError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, SamplingParams
 from chunkcache.core.local_backend import LocalBackend
 from chunkcache.core.models import LoadedModel
@@ -234,7 +234,7 @@ def test_a_failing_request_fails_alone(lm: LoadedModel) -> None:
         empty = backend.submit(GenerationRequest([TextSegment("")]))
         with pytest.raises(PromptTooLongError):
             list(too_long)
-        with pytest.raises(ValueError, match="no tokens"):
+        with pytest.raises(EmptyPromptError, match="no tokens"):  # a refusal, not a bug
             list(empty)
         assert [collect(iter(handle))[1].completion_tokens for handle in good] == [10, 10]
     finally:

@@ -111,7 +111,7 @@ def test_a_deliberate_refusal_is_a_quiet_400_with_its_message(
 
 
 def test_an_empty_text_prompt_is_a_400_naming_the_prompt(caplog: pytest.LogCaptureFixture) -> None:
-    """The engine refuses a prompt with no tokens with a plain ValueError (logged above): an
+    """The engine refuses a prompt with no tokens (EmptyPromptError, a quiet 400): an
     empty one is refused before it, naming the field."""
     backend = FakeBackend()
     with _client(backend) as client, caplog.at_level(logging.WARNING, LOGGER):
