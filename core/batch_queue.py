@@ -16,9 +16,8 @@ import torch
 from chunkcache.core.engine import Prefilled, TokenSegment
 from chunkcache.core.errors import BackendUnavailableError
 from chunkcache.core.generation import GenerationChunk, GenerationRequest
-from chunkcache.core.kv_store import KVStore, MemoryKVStore
+from chunkcache.core.kv_store import KVStore, holds_segment
 from chunkcache.core.store.reorder import CacheAwareQueue
-from chunkcache.core.store.tiered import TieredKVStore
 from chunkcache.core.text_stream import TextStream
 
 Event = GenerationChunk | BaseException
@@ -147,7 +146,7 @@ def cached_tokens(
     """RAGCache's cached and computation lengths of a waiting prompt, estimated from the store:
     a segment counts as cached when any variant of it is stored (no loading, and no LRU touch
     in our stores). Selective recompute and a conversation's own past are not counted."""
-    return _count(segments, functools.partial(_holds, store, fingerprint))
+    return _count(segments, functools.partial(holds_segment, store, fingerprint))
 
 
 def cached_counts(
@@ -156,17 +155,10 @@ def cached_counts(
     """:func:`cached_tokens` of every job, with one store lookup per distinct segment: the
     waiting prompts share their popular chunks and system text, and on a miss in the local
     tiers each lookup is a Redis round trip."""
-    holds = functools.cache(functools.partial(_holds, store, fingerprint))
+    holds = functools.cache(functools.partial(holds_segment, store, fingerprint))
     return {job: _count(job.segments, holds) for job in jobs}
 
 
 def _count(segments: Sequence[TokenSegment], holds: Callable[[str], bool]) -> tuple[int, int]:
     cached = sum(len(s.ids) for s in segments if holds(s.segment_id))
     return cached, sum(len(s.ids) for s in segments) - cached
-
-
-def _holds(store: KVStore, fingerprint: str, segment_id: str) -> bool:
-    # Asking must not count as a use: waiting prompts' chunks would jump the LRU order.
-    if isinstance(store, TieredKVStore | MemoryKVStore):
-        return store.contains_segment(fingerprint, segment_id)
-    return bool(store.variants(fingerprint, segment_id))

@@ -43,9 +43,7 @@ what was tried for ``cachecraft``: docs/engine.md.
 from __future__ import annotations
 
 import functools
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +52,7 @@ from torch import Tensor
 
 from chunkcache.core.batch_step import decode_step
 from chunkcache.core.chunk_placing import placing
+from chunkcache.core.conversation_memory import ConversationMemory, Past
 from chunkcache.core.craft import CraftConfig, CraftMeta
 from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
 from chunkcache.core.craft_probe import Span
@@ -65,6 +64,7 @@ from chunkcache.core.kv_store import (
     KVVariant,
     MemoryKVStore,
     extend_context,
+    holds_segment,
 )
 from chunkcache.core.model_forward import last_logits
 from chunkcache.core.models import LoadedModel
@@ -120,16 +120,6 @@ class Prefilled:
         self.ids.append(token)
 
 
-@dataclass(frozen=True)
-class _Past:
-    """What the engine keeps of a conversation's last sequence: its tokens and their KV,
-    with no spare capacity (nor the logits and stats of its turn)."""
-
-    ids: tuple[int, ...]  # the tokens whose KV ``kv`` holds
-    kv: SeqKV  # capacity == length
-    exact_until: int
-
-
 class ChunkEngine:
     """Prefill with chunk-KV reuse, then decode, on one :class:`LoadedModel`.
 
@@ -141,10 +131,11 @@ class ChunkEngine:
     never; pipelined reads from slower tiers also raise the recompute ratio to what they
     hide (:mod:`chunkcache.core.store.loading`).
 
-    :meth:`remember` keeps at most ``max_conversations`` conversations' last sequences,
-    holding at most ``max_conversation_tokens`` KV tokens in all (the least recently used,
-    by a turn that read or remembered it, go first; 0 keeps none); a sequence longer than
-    that is not kept, and its conversation's next turn takes its prefix from the store.
+    :meth:`remember` keeps at most ``max_conversations`` conversations' last sequences (one
+    per prompt shape, :mod:`chunkcache.core.conversation_memory`), holding at most
+    ``max_conversation_tokens`` KV tokens in all (the least recently used, by a turn that
+    read or remembered it, go first; 0 keeps none); a sequence longer than that is not
+    kept, and its conversation's next turn takes its prefix from the store.
     """
 
     def __init__(
@@ -165,11 +156,8 @@ class ChunkEngine:
         self.lm = lm
         self.layer_loading = layer_loading
         self.store: KVStore = store if store is not None else MemoryKVStore()
-        self.max_conversations = max_conversations
-        self.max_conversation_tokens = max_conversation_tokens
         self.craft = craft if craft is not None else CraftConfig()
-        self._conversations: OrderedDict[str, _Past] = OrderedDict()
-        self._lock = threading.Lock()
+        self.conversations = ConversationMemory(max_conversations, max_conversation_tokens)
 
     def prefill(
         self,
@@ -305,37 +293,31 @@ class ChunkEngine:
             logits = decode_step(self.lm, [token], [prefilled.kv])[0]
             prefilled.append(token)
 
+    @property
+    def max_conversations(self) -> int:
+        """Conversations whose last sequences :meth:`remember` keeps at most."""
+        return self.conversations.max_conversations
+
+    @property
+    def max_conversation_tokens(self) -> int:
+        """KV tokens :meth:`remember` keeps at most, over every conversation."""
+        return self.conversations.max_tokens
+
     def remember(self, conversation_id: str, prefilled: Prefilled) -> None:
         """Keep a conversation's last sequence (its KV's used slots only) so its next turn
-        reuses it as a prefix, forgetting the least recently used conversations over
-        ``max_conversations`` or ``max_conversation_tokens``.  A sequence over
-        ``max_conversation_tokens`` on its own is not kept, and its older one is dropped."""
+        reuses it as a prefix, in place of the sequence it continues; the least recently
+        used go over ``max_conversations`` or ``max_conversation_tokens``.  A sequence over
+        ``max_conversation_tokens`` on its own is not kept, and the one it continues is
+        dropped."""
         length = prefilled.kv.length
-        if length > self.max_conversation_tokens:
-            with self._lock:
-                self._conversations.pop(conversation_id, None)
-            return
-        past = _Past(
-            tuple(prefilled.ids[:length]),
-            _trimmed(prefilled.kv),
-            min(prefilled.exact_until, length),
-        )
-        with self._lock:
-            self._conversations[conversation_id] = past
-            self._conversations.move_to_end(conversation_id)
-            while (
-                len(self._conversations) > self.max_conversations
-                or self._remembered_tokens() > self.max_conversation_tokens
-            ):
-                self._conversations.popitem(last=False)
+        # not copied out when it is too long to be kept
+        kv = _trimmed(prefilled.kv) if length <= self.max_conversation_tokens else prefilled.kv
+        past = Past(tuple(prefilled.ids[:length]), kv, min(prefilled.exact_until, length))
+        self.conversations.keep(conversation_id, past)
 
     def remembered(self) -> dict[str, int]:
         """The KV tokens kept for each remembered conversation, least recently used first."""
-        with self._lock:
-            return {key: past.kv.length for key, past in self._conversations.items()}
-
-    def _remembered_tokens(self) -> int:
-        return sum(past.kv.length for past in self._conversations.values())
+        return self.conversations.lengths()
 
     def _take_prefix(
         self,
@@ -358,13 +340,13 @@ class ChunkEngine:
             hits.append(variant)
             context = extend_context(context, segment.segment_id)
         from_store = sum(variant.num_tokens for variant in hits)
-        with self._lock:
-            past = self._conversations.get(conversation_id) if conversation_id else None
-            if conversation_id and past is not None:  # a use: the least used go first
-                self._conversations.move_to_end(conversation_id)
-        from_past = _common_prefix(ids, past.ids) if past else 0
+        past, from_past = (
+            self.conversations.longest_match(conversation_id, ids) if conversation_id else (None, 0)
+        )
         if past is not None and exact_only:  # the prefix policy promises exact KV
             from_past = min(from_past, past.exact_until)
+        elif past is not None:
+            from_past = self._before_stored_chunk(segments, from_past)
         if past is not None and from_past > from_store:
             kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]
             kv.v[:, :, :from_past] = past.kv.v[:, :, :from_past]
@@ -375,6 +357,20 @@ class ChunkEngine:
             kv.k[:, :, variant.start : variant.start + variant.num_tokens] = variant.k
             kv.v[:, :, variant.start : variant.start + variant.num_tokens] = variant.v
         return MatchedPrefix(from_store, len(ids), from_store)
+
+    def _before_stored_chunk(self, segments: Sequence[TokenSegment], length: int) -> int:
+        """``length`` tokens of a conversation's past, or fewer: back to the start of the
+        chunk they end inside when the store holds that chunk.  The past often shares a next
+        chunk's first tokens ("Fact 3"), and a chunk the prefix covers in part cannot be
+        placed: its whole stored KV is worth more than those few exact tokens."""
+        start = 0
+        for segment in segments:
+            end = start + len(segment.ids)
+            if start < length < end:
+                holds = holds_segment(self.store, self.lm.fingerprint, segment.segment_id)
+                return start if segment.is_chunk and holds else length
+            start = end
+        return length
 
     def _place(
         self,
@@ -468,12 +464,3 @@ def _trimmed(kv: SeqKV) -> SeqKV:
     if kv.capacity == kv.length:
         return SeqKV(kv.k, kv.v, kv.length)
     return SeqKV(kv.keys().clone(), kv.values().clone(), kv.length)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

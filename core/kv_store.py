@@ -123,6 +123,15 @@ class KVStore(Protocol):
         ...
 
 
+def holds_segment(store: KVStore, fingerprint: str, segment_id: str) -> bool:
+    """Whether ``store`` holds any variant of ``segment_id``.  Asked of a store that can tell
+    without a use (``contains_segment``), it is not one: asking must not reorder the LRU."""
+    contains = getattr(store, "contains_segment", None)
+    if callable(contains):
+        return bool(contains(fingerprint, segment_id))
+    return bool(store.variants(fingerprint, segment_id))
+
+
 class MemoryKVStore:
     """Variants in host (or device) memory, least recently used evicted past ``capacity_bytes``."""
 

@@ -150,7 +150,7 @@ def test_each_admission_looks_each_distinct_segment_up_once(
     """Three waiting prompts share two segments and have one of their own: choosing the first
     looks up 2 + 3 segments (not 3 x 3), the second 2 + 2, the last none (it is alone)."""
     lookups: list[str] = []
-    holds = batch_queue._holds
+    holds = batch_queue.holds_segment
 
     def counting(store: KVStore, fingerprint: str, segment_id: str) -> bool:
         if threading.current_thread().name == SCHEDULER:
@@ -160,7 +160,7 @@ def test_each_admission_looks_each_distinct_segment_up_once(
     backend = BatchingBackend(ChunkEngine(lm), max_queue=8, max_batch=1)
     try:
         handles = queued_behind_one(backend, [1, 2, 3])
-        monkeypatch.setattr(batch_queue, "_holds", counting)
+        monkeypatch.setattr(batch_queue, "holds_segment", counting)
         held_steps.set()
         for handle in handles:
             collect(handle)

@@ -227,7 +227,7 @@ def test_shutdown_under_load_ends_everyone_and_refuses_later(lm: LoadedModel) ->
 
 def test_two_hundred_requests_leave_no_state(lm: LoadedModel) -> None:
     engine = HeldEngine(lm)
-    engine.max_conversations = 4
+    engine.conversations.max_conversations = 4
     backend = BatchingBackend(engine, max_queue=64, max_batch=4)
     handles_alive: list[weakref.ref[Any]] = []
     try:

@@ -142,7 +142,7 @@ def test_stats_and_memory_add_up_over_a_long_mixed_run(lm: LoadedModel) -> None:
         assert storage_bytes(held) == store.num_bytes <= store.capacity_bytes
         remembered = engine.remembered()
         assert len(remembered) <= 3 and sum(remembered.values()) <= 100
-        kept = [t for p in engine._conversations.values() for t in (p.kv.k, p.kv.v)]
+        kept = [t for p in engine.conversations.pasts() for t in (p.kv.k, p.kv.v)]
         assert storage_bytes(kept) == sum(remembered.values()) * token_bytes
     assert store.num_evictions > 0
 

@@ -1,0 +1,115 @@
+"""What the engine keeps of each conversation: its last sequences' tokens and KV, which the
+next turn reuses as an exact prefix.
+
+A conversation may send prompts of more than one shape each turn: LangChain's
+``create_history_aware_retriever`` and LlamaIndex's ``condense_plus_context`` chat engine
+have the model rephrase the question before it writes the answer.  Each shape keeps its
+own last sequence, replaced by the next prompt that continues it (shares at least half of
+it as a prefix), so the two calls do not evict each other's prefix turn after turn.
+
+Bounded three ways, the least recently used going first: ``max_conversations``
+conversations, :data:`SEQUENCES_PER_CONVERSATION` sequences in each, and ``max_tokens`` KV
+tokens in all.  Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from chunkcache.kernels.kv import SeqKV
+
+# Prompt shapes a conversation keeps at once: an answer, a rephrasing, and room for an
+# app's own step or an edited history, before the least recently used one goes.
+SEQUENCES_PER_CONVERSATION = 4
+# A new sequence continues a kept one (and replaces it) when it shares this share of it as
+# a prefix: a next turn shares all of it, or all but its answer's re-rendered tail; another
+# prompt shape shares the chat template's first tokens only.
+CONTINUES_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Past:
+    """A conversation's kept sequence: its tokens and their KV, with no spare capacity."""
+
+    ids: tuple[int, ...]  # the tokens whose KV ``kv`` holds
+    kv: SeqKV  # capacity == length
+    exact_until: int  # slots before this hold exactly what a full prefill would compute
+
+
+class ConversationMemory:
+    """Each conversation's kept sequences, bounded by conversations and tokens."""
+
+    def __init__(self, max_conversations: int, max_tokens: int) -> None:
+        self.max_conversations = max_conversations
+        self.max_tokens = max_tokens
+        # conversation id -> its sequences, least recently used first
+        self._conversations: OrderedDict[str, list[Past]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def longest_match(self, conversation_id: str, ids: Sequence[int]) -> tuple[Past | None, int]:
+        """The kept sequence of ``conversation_id`` sharing the longest prefix with ``ids``,
+        and that prefix's length; (None, 0) for none.  A use: it and its conversation become
+        the most recently used."""
+        with self._lock:
+            pasts = self._conversations.get(conversation_id)
+            if not pasts:
+                return None, 0
+            self._conversations.move_to_end(conversation_id)
+            shared, best = max((_common_prefix(ids, p.ids), i) for i, p in enumerate(pasts))
+            past = pasts.pop(best)
+            pasts.append(past)
+            return past, shared
+
+    def keep(self, conversation_id: str, past: Past) -> None:
+        """Keep ``past`` in place of the sequence it continues (or beside the others), then
+        forget the least recently used conversations over ``max_conversations``, and the
+        least recently used conversation's oldest sequences over ``max_tokens``.  A
+        sequence over ``max_tokens`` on its own is not kept; the one it continues is
+        dropped."""
+        with self._lock:
+            pasts = self._conversations.setdefault(conversation_id, [])
+            self._conversations.move_to_end(conversation_id)
+            pasts[:] = [p for p in pasts if not _continues(past.ids, p.ids)]
+            if past.kv.length <= self.max_tokens:
+                pasts.append(past)
+                del pasts[:-SEQUENCES_PER_CONVERSATION]
+            if not pasts:
+                del self._conversations[conversation_id]
+            while len(self._conversations) > self.max_conversations:
+                self._conversations.popitem(last=False)
+            while self._num_tokens() > self.max_tokens:  # the new one fits on its own
+                oldest = next(iter(self._conversations.values()))
+                del oldest[0]  # that conversation's least recently used sequence
+                if not oldest:
+                    self._conversations.popitem(last=False)
+
+    def lengths(self) -> dict[str, int]:
+        """The KV tokens kept for each conversation, least recently used first."""
+        with self._lock:
+            return {c: sum(p.kv.length for p in pasts) for c, pasts in self._conversations.items()}
+
+    def pasts(self) -> Iterator[Past]:
+        """Every kept sequence (a snapshot)."""
+        with self._lock:
+            kept = [past for pasts in self._conversations.values() for past in pasts]
+        return iter(kept)
+
+    def _num_tokens(self) -> int:
+        return sum(p.kv.length for pasts in self._conversations.values() for p in pasts)
+
+
+def _continues(new: Sequence[int], old: Sequence[int]) -> bool:
+    """Whether ``new`` continues ``old``: shares at least :data:`CONTINUES_SHARE` of it."""
+    return _common_prefix(new, old) >= CONTINUES_SHARE * len(old)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
