@@ -11,6 +11,11 @@ the chunks this conversation already has.
 ... )
 >>> docs[0].metadata["chunk_id"]  # doctest: +SKIP
 '3f0c...'
+
+It goes wherever a retriever goes, and reads the conversation from the config it runs with:
+in ``create_retrieval_chain``, in ``create_history_aware_retriever`` (it is asked the
+rephrased question, in the conversation), in a LangGraph node (the ``thread_id`` is the
+conversation, also when the node passes no config).
 """
 
 from __future__ import annotations

@@ -34,6 +34,20 @@ was saved may leave out a chunk of that unsaved turn.
 ... )
 >>> chain.invoke({"question": "What is json.dumps?"},  # doctest: +SKIP
 ...              config={"configurable": {"session_id": "user-42"}})
+
+In LangGraph, where a checkpointer keeps each thread's messages, the same layout is a
+retrieve node that replaces the question by its turn's message (same id), then a generate
+node that sends a fixed system message and the thread's messages; the ``thread_id`` is the
+conversation of both the retriever and the LLM, read from the config LangGraph gives nodes:
+
+>>> def retrieve(state: MessagesState) -> dict:  # doctest: +SKIP
+...     asked = state["messages"][-1]
+...     docs = retriever.invoke(asked.content)
+...     return {"messages": [HumanMessage(format_turn(asked.content, docs), id=asked.id)]}
+
+There, nothing resyncs the ledger with the thread: keep ``dedupe="mark"`` unless the generate
+node always sends all of the thread's messages (``trim_messages`` there would lose chunks
+``"drop"`` left out).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ text in the template (a ``Document`` list itself renders as its repr, escaped, a
 is found).
 
 >>> llm = ChunkCacheLLM(max_tokens=64)  # doctest: +SKIP
->>> context = "\n\n".join(doc.page_content for doc in docs)  # doctest: +SKIP
+>>> context = "\\n\\n".join(doc.page_content for doc in docs)  # doctest: +SKIP
 >>> answer = (prompt | llm).invoke(  # doctest: +SKIP
 ...     {"question": q, "context": context}, config={"configurable": {"session_id": "user-42"}}
 ... )
@@ -31,6 +31,19 @@ other counts): on the ``local`` and ``vllm`` backends; ``http`` has no tokenizer
 app's process, so there it needs LangChain's ``custom_get_token_ids``.
 
 >>> recent = trim_messages(history, max_tokens=2000, token_counter=llm)  # doctest: +SKIP
+
+Several LLM calls per turn of one conversation (``create_history_aware_retriever``
+rephrases the question before the answer is written; a LangGraph graph may rewrite or
+grade) need nothing more: the local engine keeps each conversation's last sequence per
+prompt shape (:mod:`chunkcache.core.conversation_memory`), so each call's next turn reuses
+its own past.
+
+>>> retriever = create_history_aware_retriever(  # doctest: +SKIP
+...     llm, ChunkCacheRetriever(base_retriever=base), rephrase_prompt
+... )
+>>> chain = create_retrieval_chain(  # doctest: +SKIP
+...     retriever, create_stuff_documents_chain(llm, answer_prompt)
+... )
 """
 
 from __future__ import annotations
