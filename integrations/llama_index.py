@@ -36,6 +36,37 @@ does not hold for engines that put the context in a per-turn system message
 (``ContextChatEngine``) or that trim memory on their own: use ``"mark"`` (the
 default) there, or call ``cache.ledger.forget(conversation_id)`` whenever the
 history loses chunks.
+
+LlamaIndex's own engines, as apps build them:
+
+- ``index.as_chat_engine(chat_mode=...)`` builds its own retriever, so a
+  :class:`ChunkCachePostprocessor` brings the planning in; bind the LLM to the same
+  conversation, so the engine keeps each turn for the next to extend::
+
+      engine = index.as_chat_engine(
+          chat_mode="condense_plus_context",
+          llm=llm.for_conversation("user-42"),
+          node_postprocessors=[ChunkCachePostprocessor(conversation_id="user-42")],
+      )
+
+  (``ContextChatEngine.from_defaults(retriever=ChunkCacheRetriever(...), llm=...)`` does
+  the same.)  ``"context"`` and ``"condense_plus_context"`` put the context in the system
+  message: a turn reuses the history only while its chunks and their order stay those of
+  the turn before; ``condense_plus_context`` also rewrites the question, a completion the
+  engine keeps apart from the turns.  ``"condense_question"``'s prompts hold no history:
+  only the chunks are reused.  ``ChunkCacheChatEngine`` keeps every turn a prefix of the
+  next, whatever is retrieved.
+- ``CitationQueryEngine`` splits each node into "Source N:" nodes of at most
+  ``citation_chunk_size`` tokens (512 by default, half LlamaIndex's default chunk size):
+  a node that fits one source is found as a chunk inside it; one split into several is
+  sent as plain text (no warning; its pieces are not cached as chunks), each piece keeping
+  the whole node's ``chunk_id`` in its metadata.  Set ``citation_chunk_size`` to at least
+  the index's chunk size.
+- A postprocessor that replaces a node's text (``MetadataReplacementPostProcessor`` with a
+  sentence window) goes before a :class:`ChunkCachePostprocessor`, which then plans the
+  new text as the chunk, under the new text's own id.  Without one after it, the chunk is
+  the retrieved text, found only where it stands verbatim in the new text, and the node's
+  ``chunk_id`` names the retrieved text.
 """
 
 from __future__ import annotations
@@ -80,6 +111,8 @@ _planned: weakref.WeakKeyDictionary[ChunkCache, weakref.WeakValueDictionary[int,
     weakref.WeakKeyDictionary()
 )
 _planned_lock = threading.Lock()
+# The metadata keys plan_nodes adds: they describe the text the node had then.
+_PLAN_KEYS = frozenset({CHUNK_ID_METADATA_KEY, "retriever_rank", "seen_in_conversation"})
 
 
 def plan_nodes(
@@ -154,14 +187,29 @@ def _has_media(node: BaseNode) -> bool:
     return False
 
 
+def _is_planned_copy(node: BaseNode, cache: ChunkCache) -> bool:
+    """Whether ``node`` is a copy :func:`plan_nodes` returned for ``cache``."""
+    with _planned_lock:
+        mine = _planned.get(cache)
+        return mine is not None and mine.get(id(node)) is node
+
+
 def _was_planned(node: BaseNode, cache: ChunkCache) -> bool:
     """Whether ``node`` is a copy :func:`plan_nodes` returned for ``cache``, its text
     still the one it was planned with (a postprocessor may have replaced it)."""
-    with _planned_lock:
-        mine = _planned.get(cache)
-        if mine is None or mine.get(id(node)) is not node:
-            return False
-    return node.metadata.get(CHUNK_ID_METADATA_KEY) == _chunk_id(node, cache)
+    return _is_planned_copy(node, cache) and (
+        node.metadata.get(CHUNK_ID_METADATA_KEY) == _chunk_id(node, cache)
+    )
+
+
+def _unplanned(node: NodeWithScore, cache: ChunkCache) -> NodeWithScore:
+    """``node``, or if it is a planned copy whose text was replaced since (a
+    ``MetadataReplacementPostProcessor`` ran), a copy without the keys :func:`plan_nodes`
+    added for its old text: its new text gets its own id, whichever node it replaced."""
+    if not _is_planned_copy(node.node, cache):
+        return node
+    metadata = {k: v for k, v in node.node.metadata.items() if k not in _PLAN_KEYS}
+    return NodeWithScore(node=node.node.model_copy(update={"metadata": metadata}), score=node.score)
 
 
 def _chunk_id(node: BaseNode, cache: ChunkCache) -> str:
@@ -327,7 +375,7 @@ class ChunkCachePostprocessor(BaseNodePostprocessor):
                 # which merges by hash, metadata included) go into the prompt once.
                 planned.setdefault(n.node.metadata[CHUNK_ID_METADATA_KEY], n)
             else:
-                others.append(n)
+                others.append(_unplanned(n, self.cache))
         if planned:  # behind a ChunkCacheRetriever on this cache: only the others are new
             others = [n for n in others if not _repeats(n.node, planned, self.cache)]
             if not others:

@@ -15,7 +15,24 @@ unless ``formatted=True``): a completion, no chat template.
 Every final response carries the backend's
 :class:`~chunkcache.core.generation.GenerationStats` as ``additional_kwargs["chunkcache"]``
 and in ``raw`` (with an OpenAI-style ``raw["usage"]``, which LlamaIndex's token
-counter reads); in a stream, the last response does.
+counter reads); in a stream, the last response does.  A query or chat engine returns a
+response of its own, without them: read each LLM call's stats (``reused_tokens``, the
+``cache_read`` of the LangChain side, ``ttft_s``, ``chunk_hits``) from LlamaIndex's
+instrumentation, whose LLM end events carry the LLM's response, streamed or not::
+
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.events.llm import (
+        LLMChatEndEvent,
+        LLMCompletionEndEvent,
+    )
+
+    class ChunkCacheStats(BaseEventHandler):
+        def handle(self, event, **kwargs):
+            if isinstance(event, LLMChatEndEvent | LLMCompletionEndEvent) and event.response:
+                stats = event.response.additional_kwargs.get("chunkcache")  # None: another LLM
+
+    get_dispatcher().add_event_handler(ChunkCacheStats())
 
 :class:`~chunkcache.integrations.llama_index_chat.ChunkCacheChatEngine` binds the
 LLM to the engine's conversation itself::
