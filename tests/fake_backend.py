@@ -93,3 +93,32 @@ class GatedBackend(FakeBackend):
             yield from pieces
         finally:
             self.closed.set()
+
+
+class RaisingBackend(FakeBackend):
+    """Raises ``error`` before its first piece, or after it with ``after_first`` (with no
+    error, the stream ends there)."""
+
+    def __init__(self, error: Exception | None = None, after_first: bool = False) -> None:
+        super().__init__()
+        self.error = error
+        self.after_first = after_first
+
+    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        if self.after_first:
+            yield GenerationChunk("partial")
+        if self.error is not None:
+            raise self.error
+
+
+class RenderCountingBackend(FakeBackend):
+    """Counts the chat template renders (a backend without a tokenizer in this process, as
+    ``http``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renders = 0
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        self.renders += 1
+        return super().render_chat(messages)

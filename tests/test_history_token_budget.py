@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from engine_support import RecordingEngine
-from fake_backend import FakeBackend
+from fake_backend import RenderCountingBackend
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.language_models.fake_chat_models import FakeListChatModel
@@ -280,18 +280,6 @@ def test_a_chat_on_another_llm_is_not_counted_or_trimmed() -> None:
     assert cache._backend is None  # no model was loaded to count
 
 
-class RenderCounting(FakeBackend):
-    """A backend without a tokenizer in this process (as ``http``), counting chat renders."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.renders = 0
-
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        self.renders += 1
-        return super().render_chat(messages)
-
-
 def ask_both(backend: Backend, turns: int) -> None:
     """``turns`` turns of a LangChain chat and of a LlamaIndex chat on ``backend``."""
     chat, _ = langchain_chat(ChunkCache(backend=backend))
@@ -302,7 +290,7 @@ def ask_both(backend: Backend, turns: int) -> None:
 
 
 def test_on_a_backend_without_a_tokenizer_here_nothing_is_rendered_to_count() -> None:
-    backend = RenderCounting()
+    backend = RenderCountingBackend()
     ask_both(backend, 3)
     assert backend.renders == 6  # the prompts sent, no more (on http each is a request)
 

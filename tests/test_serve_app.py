@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FakeBackend, RaisingBackend
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
@@ -309,20 +309,6 @@ def test_api_key_is_checked_before_the_body(
         headers["Authorization"] = authorization
     response = keyed_client.post(path, content=b"{not json", headers=headers)
     assert error_of(response) == (401, "authentication_error")
-
-
-class RaisingBackend(FakeBackend):
-    """Raises ``error`` before its first piece, or after it with ``after_first``."""
-
-    def __init__(self, error: Exception, after_first: bool = False) -> None:
-        super().__init__()
-        self.error = error
-        self.after_first = after_first
-
-    def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        if self.after_first:
-            yield GenerationChunk("partial")
-        raise self.error
 
 
 def test_backend_refusals_map_to_status_codes() -> None:

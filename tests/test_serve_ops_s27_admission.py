@@ -4,11 +4,11 @@ split into chunks.  A request refused while it is prepared gives its place back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FakeBackend, RenderCountingBackend
 from fastapi.testclient import TestClient
 
 from chunkcache.core.serve import ServeSettings, create_app
@@ -17,18 +17,6 @@ from chunkcache.core.serve.runner import Runner
 
 MODEL = FakeBackend.model_name
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-
-
-class RenderCountingBackend(FakeBackend):
-    """Counts the chat template renders."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.renders = 0
-
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        self.renders += 1
-        return super().render_chat(messages)
 
 
 @pytest.fixture

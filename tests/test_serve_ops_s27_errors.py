@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FakeBackend, RaisingBackend
 from fastapi.testclient import TestClient
 
 from chunkcache.core.errors import InvalidChunkError, PromptTooLongError
@@ -27,20 +27,13 @@ def _deep_helper(value: Any) -> int:
     return int(value + 1)
 
 
-class RaisingBackend(FakeBackend):
-    """Raises ``error`` from inside its stream, before or after the first piece."""
-
-    def __init__(self, error: Exception | None = None, after_first: bool = False) -> None:
-        super().__init__()
-        self.error = error
-        self.after_first = after_first
+class BuggyBackend(RaisingBackend):
+    """Raises a real TypeError deep inside its stream, where a bug would, before or after
+    the first piece."""
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        if self.after_first:
-            yield GenerationChunk("partial")
-        if self.error is not None:
-            raise self.error
-        _deep_helper(None)  # a real TypeError, raised where a bug would raise it
+        yield from super().stream(request)
+        _deep_helper(None)
 
 
 def _client(backend: FakeBackend) -> TestClient:
@@ -55,7 +48,7 @@ def _logged(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRec
 def test_a_type_error_in_the_backend_is_a_logged_500(
     caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
-    with _client(RaisingBackend()) as client, caplog.at_level(logging.WARNING, LOGGER):
+    with _client(BuggyBackend()) as client, caplog.at_level(logging.WARNING, LOGGER):
         response = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
     assert response.status_code == 500
     error = response.json()["error"]
@@ -69,7 +62,7 @@ def test_a_type_error_in_the_backend_is_a_logged_500(
 def test_a_type_error_mid_stream_is_a_server_error_event(caplog: pytest.LogCaptureFixture) -> None:
     body = {**CHAT, "stream": True}
     with (
-        _client(RaisingBackend(after_first=True)) as client,
+        _client(BuggyBackend(after_first=True)) as client,
         caplog.at_level(logging.WARNING, LOGGER),
         client.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
