@@ -5,7 +5,10 @@ A conversation may send prompts of more than one shape each turn: LangChain's
 ``create_history_aware_retriever`` and LlamaIndex's ``condense_plus_context`` chat engine
 have the model rephrase the question before it writes the answer.  Each shape keeps its
 own last sequence, replaced by the next prompt that continues it (shares at least half of
-it as a prefix), so the two calls do not evict each other's prefix turn after turn.
+it as a prefix), so the two calls do not evict each other's prefix turn after turn.  An app
+whose every prompt starts anew (LlamaIndex's ``ContextChatEngine`` rewrites the system
+message each turn) continues nothing: of sequences no prompt has continued yet, a
+conversation keeps :data:`UNCONTINUED_PER_CONVERSATION`, so such an app holds two, not four.
 
 Bounded three ways, the least recently used going first: ``max_conversations``
 conversations, :data:`SEQUENCES_PER_CONVERSATION` sequences in each, and ``max_tokens`` KV
@@ -24,6 +27,9 @@ from chunkcache.kernels.kv import SeqKV
 # Prompt shapes a conversation keeps at once: an answer, a rephrasing, and room for an
 # app's own step or an edited history, before the least recently used one goes.
 SEQUENCES_PER_CONVERSATION = 4
+# Of them, ones no later prompt continued yet: a second shape's first turn, or a prompt
+# that starts anew every turn.
+UNCONTINUED_PER_CONVERSATION = 2
 # A new sequence continues a kept one (and replaces it) when it shares this share of it as
 # a prefix: a next turn shares all of it, or all but its answer's re-rendered tail; another
 # prompt shape shares the chat template's first tokens only.
@@ -39,6 +45,12 @@ class Past:
     exact_until: int  # slots before this hold exactly what a full prefill would compute
 
 
+@dataclass(frozen=True)
+class _Kept:
+    past: Past
+    continued: bool  # it replaced a sequence it continues: a shape the app sends again
+
+
 class ConversationMemory:
     """Each conversation's kept sequences, bounded by conversations and tokens."""
 
@@ -46,7 +58,7 @@ class ConversationMemory:
         self.max_conversations = max_conversations
         self.max_tokens = max_tokens
         # conversation id -> its sequences, least recently used first
-        self._conversations: OrderedDict[str, list[Past]] = OrderedDict()
+        self._conversations: OrderedDict[str, list[_Kept]] = OrderedDict()
         self._lock = threading.Lock()
 
     def longest_match(self, conversation_id: str, ids: Sequence[int]) -> tuple[Past | None, int]:
@@ -54,29 +66,33 @@ class ConversationMemory:
         and that prefix's length; (None, 0) for none.  A use: it and its conversation become
         the most recently used."""
         with self._lock:
-            pasts = self._conversations.get(conversation_id)
-            if not pasts:
+            kept = self._conversations.get(conversation_id)
+            if not kept:
                 return None, 0
             self._conversations.move_to_end(conversation_id)
-            shared, best = max((_common_prefix(ids, p.ids), i) for i, p in enumerate(pasts))
-            past = pasts.pop(best)
-            pasts.append(past)
-            return past, shared
+            shared, best = max((_common_prefix(ids, k.past.ids), i) for i, k in enumerate(kept))
+            kept.append(kept.pop(best))
+            return kept[-1].past, shared
 
     def keep(self, conversation_id: str, past: Past) -> None:
-        """Keep ``past`` in place of the sequence it continues (or beside the others), then
+        """Keep ``past`` in place of the sequence it continues (or beside the others, the
+        oldest uncontinued ones going over :data:`UNCONTINUED_PER_CONVERSATION`), then
         forget the least recently used conversations over ``max_conversations``, and the
         least recently used conversation's oldest sequences over ``max_tokens``.  A
         sequence over ``max_tokens`` on its own is not kept; the one it continues is
         dropped."""
         with self._lock:
-            pasts = self._conversations.setdefault(conversation_id, [])
+            kept = self._conversations.setdefault(conversation_id, [])
             self._conversations.move_to_end(conversation_id)
-            pasts[:] = [p for p in pasts if not _continues(past.ids, p.ids)]
+            others = [k for k in kept if not _continues(past.ids, k.past.ids)]
+            continued = len(others) < len(kept)
+            if not continued:  # it is one too
+                others = _recent_uncontinued(others, UNCONTINUED_PER_CONVERSATION - 1)
+            kept[:] = others
             if past.kv.length <= self.max_tokens:
-                pasts.append(past)
-                del pasts[:-SEQUENCES_PER_CONVERSATION]
-            if not pasts:
+                kept.append(_Kept(past, continued))
+                del kept[:-SEQUENCES_PER_CONVERSATION]
+            if not kept:
                 del self._conversations[conversation_id]
             while len(self._conversations) > self.max_conversations:
                 self._conversations.popitem(last=False)
@@ -89,16 +105,25 @@ class ConversationMemory:
     def lengths(self) -> dict[str, int]:
         """The KV tokens kept for each conversation, least recently used first."""
         with self._lock:
-            return {c: sum(p.kv.length for p in pasts) for c, pasts in self._conversations.items()}
+            return {
+                c: sum(k.past.kv.length for k in kept) for c, kept in self._conversations.items()
+            }
 
     def pasts(self) -> Iterator[Past]:
         """Every kept sequence (a snapshot)."""
         with self._lock:
-            kept = [past for pasts in self._conversations.values() for past in pasts]
-        return iter(kept)
+            pasts = [k.past for kept in self._conversations.values() for k in kept]
+        return iter(pasts)
 
     def _num_tokens(self) -> int:
-        return sum(p.kv.length for pasts in self._conversations.values() for p in pasts)
+        return sum(k.past.kv.length for kept in self._conversations.values() for k in kept)
+
+
+def _recent_uncontinued(kept: list[_Kept], most: int) -> list[_Kept]:
+    """``kept`` without its uncontinued sequences but the ``most`` most recently used."""
+    uncontinued = [id(k) for k in kept if not k.continued]
+    dropped = set(uncontinued[: max(0, len(uncontinued) - most)])
+    return [k for k in kept if id(k) not in dropped]
 
 
 def _continues(new: Sequence[int], old: Sequence[int]) -> bool:

@@ -47,9 +47,10 @@ def test_a_next_turn_that_rewrites_the_answers_tail_still_replaces_it() -> None:
 
 def test_a_conversation_keeps_at_most_its_sequences_least_recently_used_out() -> None:
     memory = ConversationMemory(max_conversations=4, max_tokens=10_000)
-    shapes = [[shape, *range(1000 * shape, 1000 * shape + 20)] for shape in range(6)]
-    for ids in shapes:
-        memory.keep("c", past(ids))
+    for shape in range(6):  # six shapes, each sent again the next turn
+        first_turn = [shape, *range(1000 * shape, 1000 * shape + 20)]
+        memory.keep("c", past(first_turn))
+        memory.keep("c", past([*first_turn, 7]))
     kept = {p.ids[0] for p in memory.pasts()}
     assert kept == set(range(6 - SEQUENCES_PER_CONVERSATION, 6))
 
@@ -118,3 +119,27 @@ def test_the_stopped_prefix_stays_exact_and_prefix_keeps_every_exact_token(
     exact = engine.prefill(segments, "prefix", conversation_id="c")
     assert exact.stats.extra["prefix_tokens"] == len(SYSTEM.ids) + 3  # nothing is placed
     assert (exact.logits - full).abs().max().item() < TOLERANCE
+
+
+def test_prompts_that_start_anew_every_turn_keep_two_sequences_not_four() -> None:
+    """LlamaIndex's ContextChatEngine rewrites the system message each turn: no prompt
+    continues the last, so only the two most recent are kept."""
+    memory = ConversationMemory(max_conversations=4, max_tokens=10_000)
+    for turn in range(5):
+        memory.keep("c", past([1, 2, 3, *range(100 * turn + 10, 100 * turn + 40)]))
+    assert [p.ids[3] for p in memory.pasts()] == [310, 410]
+
+
+def test_a_second_shape_and_its_next_turn_keep_both_while_new_prompts_come_and_go() -> None:
+    memory = ConversationMemory(max_conversations=4, max_tokens=10_000)
+    memory.keep("c", past(ANSWER))
+    memory.keep("c", past(REPHRASE))
+    memory.keep("c", past([*ANSWER, 7]))  # continued: a shape the app sends again
+    memory.keep("c", past([*REPHRASE, 7]))
+    for turn in range(3):  # one-off prompts take only the uncontinued places
+        memory.keep("c", past([100, 101, *range(1000 * turn + 500, 1000 * turn + 530)]))
+    firsts = sorted(p.ids[2] for p in memory.pasts())
+    assert len(firsts) == 4 and {102} <= set(firsts)  # both shapes kept
+    assert sorted(len(p.ids) for p in memory.pasts())[-2:] == sorted(
+        [len(ANSWER) + 1, len(REPHRASE) + 1]
+    )
