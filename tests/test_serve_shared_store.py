@@ -122,8 +122,8 @@ def test_sigterm_finishes_the_request_in_flight(servers: Servers) -> None:
     reader = threading.Thread(target=read)
     reader.start()
     assert first_token.wait(120)
-    # uvicorn shuts down cleanly, then re-raises the signal so the parent sees it
-    assert stop(proc, timeout_s=60) in (0, -signal.SIGTERM)
+    # uvicorn shuts down cleanly, then re-raises the signal, which the CLI turns into exit 143
+    assert stop(proc, timeout_s=60) in (0, 128 + signal.SIGTERM, -signal.SIGTERM)
     reader.join(60)
     assert events[-1] == "[DONE]"  # the stream ran to its end
     assert any(e["choices"] and e["choices"][0]["finish_reason"] for e in events[:-1])
