@@ -4,11 +4,12 @@ next turn reuses as an exact prefix.
 A conversation may send prompts of more than one shape each turn: LangChain's
 ``create_history_aware_retriever`` and LlamaIndex's ``condense_plus_context`` chat engine
 have the model rephrase the question before it writes the answer.  Each shape keeps its
-own last sequence, replaced by the next prompt that continues it (shares at least half of
-it as a prefix), so the two calls do not evict each other's prefix turn after turn.  An app
-whose every prompt starts anew (LlamaIndex's ``ContextChatEngine`` rewrites the system
+own last sequence, replaced by the next prompt that continues it (shares nearly all of its
+prompt as a prefix), so the two calls do not evict each other's prefix turn after turn.  An
+app whose every prompt starts anew (LlamaIndex's ``ContextChatEngine`` rewrites the system
 message each turn) continues nothing: of sequences no prompt has continued yet, a
-conversation keeps :data:`UNCONTINUED_PER_CONVERSATION`, so such an app holds two, not four.
+conversation keeps :data:`UNCONTINUED_PER_CONVERSATION`, and they go before the shapes an
+app sends again.
 
 Bounded three ways, the least recently used going first: ``max_conversations``
 conversations, :data:`SEQUENCES_PER_CONVERSATION` sequences in each, and ``max_tokens`` KV
@@ -27,22 +28,24 @@ from chunkcache.kernels.kv import SeqKV
 # Prompt shapes a conversation keeps at once: an answer, a rephrasing, and room for an
 # app's own step or an edited history, before the least recently used one goes.
 SEQUENCES_PER_CONVERSATION = 4
-# Of them, ones no later prompt continued yet: a second shape's first turn, or a prompt
-# that starts anew every turn.
-UNCONTINUED_PER_CONVERSATION = 2
-# A new sequence continues a kept one (and replaces it) when it shares this share of it as
-# a prefix: a next turn shares all of it, or all but its answer's re-rendered tail; another
-# prompt shape shares the chat template's first tokens only.
-CONTINUES_SHARE = 0.5
+# Of them, ones no later prompt continued yet: each shape's first turn (three shapes: a
+# rephrasing, an answer, an app's own step), or a prompt that starts anew every turn.
+UNCONTINUED_PER_CONVERSATION = 3
+# A new sequence continues a kept one (and replaces it) when it shares this share of the
+# kept one's prompt as a prefix: a next turn shares all of it (its answer's re-rendered
+# tail may differ); another prompt shape shares the chat template and at most a system
+# prompt, which may be most of a short first turn, never nearly all of it.
+CONTINUES_SHARE = 0.9
 
 
 @dataclass(frozen=True)
 class Past:
     """A conversation's kept sequence: its tokens and their KV, with no spare capacity."""
 
-    ids: tuple[int, ...]  # the tokens whose KV ``kv`` holds
+    ids: tuple[int, ...]  # the tokens whose KV ``kv`` holds: the prompt, then its answer
     kv: SeqKV  # capacity == length
     exact_until: int  # slots before this hold exactly what a full prefill would compute
+    prompt_length: int  # the prompt's tokens, before the answer
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,8 @@ class ConversationMemory:
             return kept[-1].past, shared
 
     def keep(self, conversation_id: str, past: Past) -> None:
-        """Keep ``past`` in place of the sequence it continues (or beside the others, the
-        oldest uncontinued ones going over :data:`UNCONTINUED_PER_CONVERSATION`), then
+        """Keep ``past`` in place of the sequence it continues (or beside the others, older
+        uncontinued ones going first over the per-conversation bounds), then
         forget the least recently used conversations over ``max_conversations``, and the
         least recently used conversation's oldest sequences over ``max_tokens``.  A
         sequence over ``max_tokens`` on its own is not kept; the one it continues is
@@ -84,14 +87,12 @@ class ConversationMemory:
         with self._lock:
             kept = self._conversations.setdefault(conversation_id, [])
             self._conversations.move_to_end(conversation_id)
-            others = [k for k in kept if not _continues(past.ids, k.past.ids)]
+            others = [k for k in kept if not _continues(past.ids, k.past)]
             continued = len(others) < len(kept)
-            if not continued:  # it is one too
-                others = _recent_uncontinued(others, UNCONTINUED_PER_CONVERSATION - 1)
             kept[:] = others
             if past.kv.length <= self.max_tokens:
                 kept.append(_Kept(past, continued))
-                del kept[:-SEQUENCES_PER_CONVERSATION]
+                _trim(kept)
             if not kept:
                 del self._conversations[conversation_id]
             while len(self._conversations) > self.max_conversations:
@@ -119,16 +120,21 @@ class ConversationMemory:
         return sum(k.past.kv.length for kept in self._conversations.values() for k in kept)
 
 
-def _recent_uncontinued(kept: list[_Kept], most: int) -> list[_Kept]:
-    """``kept`` without its uncontinued sequences but the ``most`` most recently used."""
-    uncontinued = [id(k) for k in kept if not k.continued]
-    dropped = set(uncontinued[: max(0, len(uncontinued) - most)])
-    return [k for k in kept if id(k) not in dropped]
+def _trim(kept: list[_Kept]) -> None:
+    """Drop from one conversation's ``kept`` (least recently used first, the newest last)
+    until its bounds hold: the oldest uncontinued sequence but the newest goes first, then
+    the oldest."""
+    while (
+        len(kept) > SEQUENCES_PER_CONVERSATION
+        or sum(not k.continued for k in kept) > UNCONTINUED_PER_CONVERSATION
+    ):
+        uncontinued = [i for i, k in enumerate(kept[:-1]) if not k.continued]
+        del kept[uncontinued[0] if uncontinued else 0]
 
 
-def _continues(new: Sequence[int], old: Sequence[int]) -> bool:
-    """Whether ``new`` continues ``old``: shares at least :data:`CONTINUES_SHARE` of it."""
-    return _common_prefix(new, old) >= CONTINUES_SHARE * len(old)
+def _continues(new: Sequence[int], old: Past) -> bool:
+    """Whether ``new`` continues ``old``: shares :data:`CONTINUES_SHARE` of its prompt."""
+    return _common_prefix(new, old.ids) >= CONTINUES_SHARE * old.prompt_length
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -223,7 +223,11 @@ class ChunkEngine:
         kv.extend(len(ids))
         prefix = MatchedPrefix(0, len(ids), 0)
         if policy != "full":
-            prefix = self._take_prefix(segments, ids, conversation_id, kv, policy == "prefix")
+            # A past may hold blended KV; these promise a full prefill's output
+            exact_only = policy == "prefix" or (policy == "cacheblend" and ratio >= 1)
+            prefix = self._take_prefix(
+                segments, ids, conversation_id, kv, exact_only, _reuses(policy)
+            )
         exact_until = prefix.exact_until
         exact = min(prefix.length, len(ids) - 1)  # the last token always runs, for its logits
         placed = self._place(segments, spans, contexts, exact, policy) if _reuses(policy) else []
@@ -312,7 +316,12 @@ class ChunkEngine:
         length = prefilled.kv.length
         # not copied out when it is too long to be kept
         kv = _trimmed(prefilled.kv) if length <= self.max_conversation_tokens else prefilled.kv
-        past = Past(tuple(prefilled.ids[:length]), kv, min(prefilled.exact_until, length))
+        past = Past(
+            tuple(prefilled.ids[:length]),
+            kv,
+            min(prefilled.exact_until, length),
+            prefilled.stats.prompt_tokens,
+        )
         self.conversations.keep(conversation_id, past)
 
     def remembered(self) -> dict[str, int]:
@@ -326,10 +335,12 @@ class ChunkEngine:
         conversation_id: str | None,
         kv: SeqKV,
         exact_only: bool,
+        places_chunks: bool,
     ) -> MatchedPrefix:
         """Copy the longest exact prefix, from the store or the conversation's past, into
         ``kv`` (a conversation's past may hold blended KV: its ``exact_until`` carries over,
-        or with ``exact_only`` the past is taken up to it only)."""
+        or with ``exact_only`` the past is taken up to it only).  A policy that
+        ``places_chunks`` takes the past up to a stored chunk it would cover in part."""
         fingerprint = self.lm.fingerprint
         hits: list[KVVariant] = []
         context = ROOT_CONTEXT
@@ -343,9 +354,9 @@ class ChunkEngine:
         past, from_past = (
             self.conversations.longest_match(conversation_id, ids) if conversation_id else (None, 0)
         )
-        if past is not None and exact_only:  # the prefix policy promises exact KV
+        if past is not None and exact_only:  # promised exact KV
             from_past = min(from_past, past.exact_until)
-        elif past is not None:
+        if past is not None and places_chunks:
             from_past = self._before_stored_chunk(segments, from_past)
         if past is not None and from_past > from_store:
             kv.k[:, :, :from_past] = past.kv.k[:, :, :from_past]

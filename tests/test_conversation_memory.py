@@ -17,9 +17,11 @@ from chunkcache.core.models import LoadedModel
 from chunkcache.kernels.kv import SeqKV
 
 
-def past(ids: list[int]) -> Past:
+def past(ids: list[int], answer: int = 0) -> Past:
+    """A kept sequence of ``ids``, its last ``answer`` tokens the answer (no real KV)."""
     n = len(ids)
-    return Past(tuple(ids), SeqKV(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), n), n)
+    kv = SeqKV(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), n)
+    return Past(tuple(ids), kv, n, n - answer)
 
 
 ANSWER = list(range(100, 140))  # an answer prompt's shape
@@ -40,8 +42,8 @@ def test_two_prompt_shapes_in_one_conversation_keep_a_sequence_each() -> None:
 
 def test_a_next_turn_that_rewrites_the_answers_tail_still_replaces_it() -> None:
     memory = ConversationMemory(max_conversations=4, max_tokens=10_000)
-    memory.keep("c", past(ANSWER))
-    memory.keep("c", past([*ANSWER[:-5], 1, 2, 3, 4, 5, 6]))  # re-rendered tail, then more
+    memory.keep("c", past(ANSWER, answer=5))
+    memory.keep("c", past([*ANSWER[:-5], 1, 2, 3, 4, 5, 6]))  # re-rendered answer, then more
     assert memory.lengths() == {"c": len(ANSWER) + 1}
 
 
@@ -116,18 +118,18 @@ def test_the_stopped_prefix_stays_exact_and_prefix_keeps_every_exact_token(
     engine = engine_with_past(lm)
     blended = engine.prefill(segments, "cacheblend", ratio=1.0, conversation_id="c")
     assert (blended.logits - full).abs().max().item() < TOLERANCE
-    exact = engine.prefill(segments, "prefix", conversation_id="c")
+    exact = engine_with_past(lm).prefill(segments, "prefix", conversation_id="c")
     assert exact.stats.extra["prefix_tokens"] == len(SYSTEM.ids) + 3  # nothing is placed
     assert (exact.logits - full).abs().max().item() < TOLERANCE
 
 
-def test_prompts_that_start_anew_every_turn_keep_two_sequences_not_four() -> None:
+def test_prompts_that_start_anew_every_turn_keep_three_sequences_not_four() -> None:
     """LlamaIndex's ContextChatEngine rewrites the system message each turn: no prompt
-    continues the last, so only the two most recent are kept."""
+    continues the last, so only the three most recent are kept."""
     memory = ConversationMemory(max_conversations=4, max_tokens=10_000)
     for turn in range(5):
         memory.keep("c", past([1, 2, 3, *range(100 * turn + 10, 100 * turn + 40)]))
-    assert [p.ids[3] for p in memory.pasts()] == [310, 410]
+    assert [p.ids[3] for p in memory.pasts()] == [210, 310, 410]
 
 
 def test_a_second_shape_and_its_next_turn_keep_both_while_new_prompts_come_and_go() -> None:
