@@ -79,11 +79,10 @@ class ConversationMemory:
 
     def keep(self, conversation_id: str, past: Past) -> None:
         """Keep ``past`` in place of the sequence it continues (or beside the others, older
-        uncontinued ones going first over the per-conversation bounds), then
-        forget the least recently used conversations over ``max_conversations``, and the
-        least recently used conversation's oldest sequences over ``max_tokens``.  A
-        sequence over ``max_tokens`` on its own is not kept; the one it continues is
-        dropped."""
+        uncontinued ones going first over the per-conversation bounds), then forget the
+        least recently used conversations over ``max_conversations``, and the least
+        recently used conversation's oldest sequences over ``max_tokens``.  A sequence over
+        ``max_tokens`` on its own is not kept; the one it continues is dropped."""
         with self._lock:
             kept = self._conversations.setdefault(conversation_id, [])
             self._conversations.move_to_end(conversation_id)
