@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -52,31 +53,35 @@ def test_the_mapping_is_serves(temperature: float, top_p: float, seed: int | Non
     SamplingParams(**served)  # which SamplingParams, strict as ever, takes
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "seed"), OPENAI_VALUES)
-def test_langchain_takes_what_serve_takes(
-    temperature: float, top_p: float, seed: int | None
-) -> None:
-    mapped = openai_sampling(temperature, top_p, seed)
-    expected = (mapped["temperature"], mapped["top_p"], mapped["seed"])
+def langchain_calls(temperature: float, top_p: float, seed: int | None) -> list[Any]:
+    """The backends of a LangChain wrapper given the values, and of one given them per call."""
     llm = langchain_llm(temperature=temperature, top_p=top_p, seed=seed)
     llm.invoke([HumanMessage("hi")])
     per_call = langchain_llm()
     per_call.invoke("hi", temperature=temperature, top_p=top_p, seed=seed)
-    backends = [llm.chunk_cache.backend, per_call.chunk_cache.backend]
-    assert [sent(b) for b in backends if isinstance(b, FakeBackend)] == [expected] * 2
+    return [llm.chunk_cache.backend, per_call.chunk_cache.backend]
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "seed"), OPENAI_VALUES)
-def test_llama_index_takes_what_serve_takes(
-    temperature: float, top_p: float, seed: int | None
-) -> None:
-    mapped = openai_sampling(temperature, top_p, seed)
-    expected = (mapped["temperature"], mapped["top_p"], mapped["seed"])
+def llama_index_calls(temperature: float, top_p: float, seed: int | None) -> list[Any]:
+    """As :func:`langchain_calls`, for the LlamaIndex wrapper (chat, then completion)."""
     llm = llama_index_llm(temperature=temperature, top_p=top_p, seed=seed)
     llm.chat([ChatMessage(content="hi")])
     per_call = llama_index_llm()
     per_call.complete("hi", temperature=temperature, top_p=top_p, seed=seed)
-    backends = [llm.cache.backend, per_call.cache.backend]
+    return [llm.cache.backend, per_call.cache.backend]
+
+
+@pytest.mark.parametrize("calls", [langchain_calls, llama_index_calls])
+@pytest.mark.parametrize(("temperature", "top_p", "seed"), OPENAI_VALUES)
+def test_the_wrappers_take_what_serve_takes(
+    calls: Callable[[float, float, int | None], list[Any]],
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> None:
+    mapped = openai_sampling(temperature, top_p, seed)
+    expected = (mapped["temperature"], mapped["top_p"], mapped["seed"])
+    backends = calls(temperature, top_p, seed)
     assert [sent(b) for b in backends if isinstance(b, FakeBackend)] == [expected] * 2
 
 
