@@ -63,7 +63,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import (
@@ -92,6 +92,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import chunk_id_for
+from chunkcache.core.errors import ChunkCacheError
 from chunkcache.core.generation import (
     DEFAULT_POLICY,
     DEFAULT_RECOMPUTE_RATIO,
@@ -139,7 +140,8 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class _ModelFacts:
-    """What :class:`ChunkCacheLLM`'s metadata takes from the backend."""
+    """What :class:`ChunkCacheLLM`'s metadata takes from the backend: the window as last
+    read, the rest as read once per cache."""
 
     context_window: int
     is_chat_model: bool
@@ -168,7 +170,11 @@ class ChunkCacheLLM(LLM):
     API takes them (:func:`~chunkcache.core.generation.openai_sampling`): ``temperature``
     0 or ``top_p`` 0 is greedy; ``seed`` is an int from -2**63 to 2**64 - 1, a negative
     one seeded as ``seed + 2**64``, as torch does.  ``metadata.context_window`` is the
-    backend's ``context_window`` if it has one, else LlamaIndex's default (3900 tokens);
+    backend's ``context_window`` as the backend knows it now (``vllm`` asks its server
+    again after a refusal, so a server restarted with another ``--max-model-len`` is
+    followed), else LlamaIndex's default (3900 tokens).  What LlamaIndex built from an
+    earlier read keeps that window (a response synthesizer's prompt helper, a chat
+    memory's token limit): build them again after such a restart.
     ``metadata.is_chat_model`` is False when the backend's tokenizer has no chat template
     (a base model), so LlamaIndex's query engines send it completions rather than chat
     messages.
@@ -183,7 +189,7 @@ class ChunkCacheLLM(LLM):
     stop: list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     conversation_id: ConversationIdField = None
-    # (the cache they were read from, the facts): see _model_facts
+    # (the cache they were read from, the facts as last read): see _model_facts
     _facts: tuple[ChunkCache, _ModelFacts] | None = PrivateAttr(default=None)
 
     @classmethod
@@ -252,7 +258,8 @@ class ChunkCacheLLM(LLM):
     # Async variants run the blocking work in worker threads, piece by piece, so a
     # cancelled task stops its request (also while it waits for the engine).  Each first
     # reads the model facts in a thread: LlamaIndex reads ``metadata`` on the event loop
-    # before our code runs (callbacks, predict), and the first read loads the model.
+    # before our code runs (callbacks, predict), the first read loads the model, and a
+    # later one may ask the server for its window again.
     @_loading_first
     @llm_completion_callback()
     async def acomplete(
@@ -288,30 +295,29 @@ class ChunkCacheLLM(LLM):
     apredict_and_call = _loading_first(LLM.apredict_and_call)
 
     async def _aload(self) -> None:
-        """Read the model facts in a worker thread unless they are known."""
-        if self._known_facts() is None:
-            await asyncio.to_thread(self._model_facts)
-
-    def _known_facts(self) -> _ModelFacts | None:
-        """The model facts if already read from this LLM's cache."""
-        if self._facts is not None and self._facts[0] is self.cache:
-            return self._facts[1]
-        return None
+        """Read the model facts in a worker thread, so that the reads of ``metadata`` on
+        the event loop that follow find them known."""
+        await asyncio.to_thread(self._model_facts)
 
     def _model_facts(self) -> _ModelFacts:
-        """What ``metadata`` says about the model, read once per cache: building the
-        backend loads the model, and an http or vllm backend asks its server."""
-        known = self._known_facts()
-        if known is not None:
-            return known
-        backend = self.cache.backend
-        window = getattr(backend, "context_window", None)
-        facts = _ModelFacts(
-            context_window=window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW,
-            is_chat_model=_has_chat_template(backend),
-            model_name=backend_model_name(backend),
-        )
-        self._facts = (self.cache, facts)
+        """What ``metadata`` says about the model.  The name and chat template are read
+        once per cache (building the backend loads the model, an http backend asks its
+        server); the window on every call, as cheap as the backend keeps it (an
+        attribute of the local engine, asked once by http and vllm)."""
+        cache, backend = self.cache, self.cache.backend
+        known = self._facts[1] if self._facts is not None and self._facts[0] is cache else None
+        if known is None:
+            facts = _ModelFacts(
+                context_window=_context_window(backend, None),
+                is_chat_model=_has_chat_template(backend),
+                model_name=backend_model_name(backend),
+            )
+        else:
+            window = _context_window(backend, known.context_window)
+            if window == known.context_window:
+                return known
+            facts = replace(known, context_window=window)
+        self._facts = (cache, facts)
         return facts
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
@@ -406,6 +412,19 @@ def node_text(node: BaseNode) -> str:
     LlamaIndex strips when it renders a node with its metadata and when a response
     synthesizer packs nodes into a prompt (``PromptHelper.repack``)."""
     return node.get_content(metadata_mode=MetadataMode.NONE).strip()
+
+
+def _context_window(backend: Backend, last: int | None) -> int:
+    """``backend``'s context window (LlamaIndex's default if it names none), or ``last``,
+    the one read before, while the backend cannot tell (its server is down): the request
+    then fails on its own, and ``metadata``, which LlamaIndex reads everywhere, must not."""
+    try:
+        window = getattr(backend, "context_window", None)
+    except (ChunkCacheError, ValueError):
+        if last is None:
+            raise
+        return last
+    return window if isinstance(window, int) else DEFAULT_CONTEXT_WINDOW
 
 
 def _has_chat_template(backend: Backend) -> bool:
