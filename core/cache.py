@@ -80,9 +80,15 @@ class ChunkCache:
       pass ``ConversationLedger(max_conversations=..., ttl_s=...)``: memory grows with
       ``max_conversations``, so raise it only as far as a turn's dedupe is worth.
     - ``registry``: the text of recently retrieved chunks, for the LLM side to find them
-      in prompts.  The default keeps ``20 x window`` chunks and at most 256 Mi characters;
-      a chunk it no longer holds is sent as plain text.  Pass
-      ``ChunkRegistry(max_chunks=..., max_chars=...)`` to change that.
+      in prompts.  The default keeps ``20 x window`` chunks and at most 256 Mi characters,
+      whatever the model's context window: 256 MiB of ASCII text, 512 MiB of CJK, 1 GiB
+      with emoji.  Long chunks reach the character bound first (with the default window,
+      those over ~13,400 characters: 5,592 of 48,000; a 128k-token model keeps the chunks
+      of its last 512 window-filling prompts).  A chunk it no longer holds is sent as
+      plain text until it is retrieved, so registered, again.  A bigger bound would keep
+      nothing worth reusing: 256 Mi characters are ~64 M tokens of English, 1.4 TiB of
+      even SmolLM2's KV (22.5 KiB a token), while the default store's 36 GiB hold ~1.7 M
+      tokens.  Pass ``ChunkRegistry(max_chunks=..., max_chars=...)`` to change that.
 
     The backend's KV store and token cache have bounds of their own.
 

@@ -13,6 +13,9 @@ from collections import OrderedDict
 from chunkcache.core.chunk_ids import validate_chunk_id
 
 DEFAULT_MAX_CHUNKS = 100_000
+# Fixed, not scaled with the model's window: ~64 M tokens of text is already far more than
+# a KV store holds the KV of (a token's KV takes thousands of times its text's bytes), so
+# a larger bound would only keep chunks with nothing left to reuse (see ChunkCache).
 DEFAULT_MAX_CHARS = 256 * 1024 * 1024
 
 
