@@ -262,9 +262,13 @@ class Scheduler:
             job.events.put(GenerationChunk(piece))
 
     def _finish(self, job: Job) -> None:
-        if job.request.conversation_id is not None:
-            self.engine.remember(job.request.conversation_id, job.state)
-        final = job.text.finish()
+        try:
+            final = job.text.finish()
+            if job.request.conversation_id is not None:
+                self.engine.remember(job.request.conversation_id, job.state)
+        except Exception as error:  # e.g. MemoryError copying the KV out: this request's own,
+            self._fail(job, error)  # raised on this thread it would stop the scheduler
+            return
         stats, now = job.state.stats, time.perf_counter()
         stats.finish_reason = job.text.finish_reason
         stats.completion_tokens = len(job.text.tokens)
