@@ -1,7 +1,9 @@
 """The ``cachecraft`` policy for one request (Cache-Craft §3.2-3.3, §3.4.1).
 
 :func:`choose_variant` picks, among a chunk's stored variants, the one of lowest CFO in this
-request's context and counts f_r += 1/CFO on it.  :func:`craft_recompute` then recomputes, on
+request's context, and :func:`count_reuses` counts f_r += 1/CFO on it once the request ran
+(a prefill that fails, or runs again after a corrupt entry, counts no reuse it did not
+make).  :func:`craft_recompute` then recomputes, on
 every layer, the top ``ceil(CFO * |C|)`` tokens of each placed chunk by their stored
 attention to the chunk's old context (Eq. 14), reads the metadata of the chunks computed
 fresh (§3.1), and stops the rows of chunks the question does not focus on (Algorithm 1).
@@ -64,13 +66,18 @@ class CraftOutcome:
 def choose_variant(
     variants: Sequence[KVVariant], context: Sequence[Span], config: CraftConfig
 ) -> tuple[KVVariant, float]:
-    """The variant of lowest CFO after the segments ``context`` (§3.3), counted as reused."""
+    """The variant of lowest CFO after the segments ``context`` (§3.3), and its CFO."""
     context_ids = [span.segment_id for span in context]
     context_tokens = [tokens_past_sinks(span, config.sink_tokens) for span in context]
     metas = [variant.meta for variant in variants]
     best, cfo = cheapest_variant(metas, context_ids, context_tokens, config.alpha)
-    variants[best].reuse.record(cfo)
     return variants[best], cfo
+
+
+def count_reuses(placed: Sequence[PlacedChunk]) -> None:
+    """Count f_r += 1/CFO (§3.3) on each placed variant, once the prefill placing it ran."""
+    for p in placed:
+        p.variant.reuse.record(p.cfo)
 
 
 def fix_slots(placed: Sequence[PlacedChunk], ratio: float, lm: LoadedModel) -> list[int]:

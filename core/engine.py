@@ -54,7 +54,12 @@ from chunkcache.core.batch_step import decode_step
 from chunkcache.core.chunk_placing import placing
 from chunkcache.core.conversation_memory import ConversationMemory, Past
 from chunkcache.core.craft import CraftConfig, CraftMeta
-from chunkcache.core.craft_plan import PlacedChunk, choose_variant, craft_recompute
+from chunkcache.core.craft_plan import (
+    PlacedChunk,
+    choose_variant,
+    count_reuses,
+    craft_recompute,
+)
 from chunkcache.core.craft_probe import Span
 from chunkcache.core.errors import EmptyPromptError, PromptTooLongError
 from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
@@ -267,6 +272,8 @@ class ChunkEngine:
             else:
                 ratio = {"reuse": 0.0, "cacheblend": ratio}.get(policy, 1.0)
                 result = recompute(self.lm, kv, token_ids, computed, reused_slots, ratio)
+        if policy == "cachecraft":  # once computed (a failed or rerun prefill reused nothing),
+            count_reuses(placed)  # before this request's puts may evict by f_r
         if result.num_recomputed < len(reused):  # some reused KV kept as is: approximate
             exact_until = min(exact_until, min(reused))
         stats.reused_tokens = exact + len(reused) - result.num_recomputed
@@ -405,7 +412,7 @@ class ChunkEngine:
                 continue
             candidates = [v for v in variants if v.context == contexts[i]] or variants
             variant, cfo = candidates[0], 0.0  # the most recently used
-            if policy == "cachecraft":  # also counts the reuse (f_r) on the variant it picks
+            if policy == "cachecraft":  # its reuse (f_r) is counted once the prefill ran
                 variant, cfo = choose_variant(candidates, spans[:i], self.craft)
             reused = [slot for slot in range(span.start, span.end) if slot != last_slot]
             placed.append(PlacedChunk(span, variant, cfo, reused))
