@@ -96,7 +96,10 @@ class VllmBackend:
             prompt's tokens against the context window; by default the tokenizer of the
             local model named ``model`` (the default model's safetensors copy, or a
             checkpoint folder), loaded offline on first use.
-        transport: an httpx transport (tests pass ``httpx.MockTransport``).
+        transport: an httpx transport (tests pass ``httpx.MockTransport``).  A cancel cuts
+            a request at once on a connection opened for it (every request asks for its
+            connection to be closed after it); not on one that other clients sharing the
+            transport left in its pool, nor over HTTP/2.
     """
 
     def __init__(
@@ -122,15 +125,17 @@ class VllmBackend:
         if api_key:
             check_api_key(api_key, "api_key")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        options: dict[str, Any] = {
-            "base_url": f"{self.base_url}/v1",
-            "headers": headers,
-            "timeout": httpx.Timeout(timeout_s, connect=10.0),
-            "transport": transport,
-        }
-        self._client = httpx.Client(**options)
-        # Completions each on a connection of their own, which HttpStream.cancel can cut
-        self._streams = own_connection_client(**options)
+        # Every request on a connection of its own, which HttpStream.cancel can cut: the
+        # stream learns a connection's socket as it opens.  "close" leaves no connection in
+        # the pool of a caller's transport, which httpx gives no limits, for the next
+        # request to go out on unseen.
+        self._client = own_connection_client(
+            base_url=f"{self.base_url}/v1",
+            headers={**headers, "Connection": "close"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            transport=transport,
+        )
+        self._window: tuple[int | None] | None = None  # (max_model_len,) once asked
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
         self._warned_no_cached_tokens = False
@@ -151,7 +156,7 @@ class VllmBackend:
         """Send the prompt (the segments' text, in order) and stream vLLM's answer; the last
         piece carries the stats, from the usage vLLM reports after the text.  Closing or
         cancelling the stream closes the request at once (vLLM then aborts it), also while
-        another thread waits on it."""
+        another thread waits on it, or on the window's first ``GET /v1/models``."""
         connection = StreamConnection()
         return HttpStream(self._pieces(request, connection), connection)
 
@@ -163,9 +168,9 @@ class VllmBackend:
         has_usage = False
         body = self._body(request)
         prompt = _PromptTokens(body["prompt"], lambda: self.tokenizer)
-        self._check_window(prompt, request.sampling)
+        self._check_window(prompt, request.sampling, connection)
         try:
-            with self._streams.stream(
+            with self._client.stream(
                 "POST", "/completions", json=body, extensions=connection.extensions
             ) as response:
                 if response.status_code >= 400:
@@ -207,7 +212,6 @@ class VllmBackend:
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()
-        self._streams.close()
 
     def _warn_no_cached_tokens(self) -> None:
         if self._warned_no_cached_tokens:
@@ -222,12 +226,21 @@ class VllmBackend:
             stacklevel=2,
         )
 
-    @functools.cached_property
+    @property
     def context_window(self) -> int | None:
         """The server's ``max_model_len`` for this model, None if it gives none: asked once,
         and again when it may have changed (see the module docstring)."""
+        return self._read_window(StreamConnection())
+
+    def _read_window(self, connection: StreamConnection) -> int | None:
+        """:attr:`context_window`, asked on ``connection`` (cut with it) if not known."""
+        if self._window is None:
+            self._window = (self._ask_window(connection),)
+        return self._window[0]
+
+    def _ask_window(self, connection: StreamConnection) -> int | None:
         try:
-            response = self._client.get("/models")
+            response = self._client.get("/models", extensions=connection.extensions)
         except httpx.HTTPError as e:
             raise BackendUnavailableError(f"{self._server} failed: {e}") from e
         if response.status_code == 404:
@@ -241,9 +254,12 @@ class VllmBackend:
                 return model.get("max_model_len")
         return None
 
-    def _check_window(self, prompt: _PromptTokens, sampling: SamplingParams) -> None:
-        """Refuse ``prompt`` as a local backend would (see the module docstring)."""
-        window = self.context_window
+    def _check_window(
+        self, prompt: _PromptTokens, sampling: SamplingParams, connection: StreamConnection
+    ) -> None:
+        """Refuse ``prompt`` as a local backend would (see the module docstring); the window
+        is asked on the request's ``connection``, so that a cancel cuts that question too."""
+        window = self._read_window(connection)
         if window is None:
             return
         try:
@@ -253,7 +269,7 @@ class VllmBackend:
             # good: ask again before refusing (one GET, on a refusal only).
             self._forget_window()
             try:
-                fresh = self.context_window
+                fresh = self._read_window(connection)
             except (ChunkCacheError, ValueError):  # unreachable, or refusing: no news
                 raise too_long from None
             if fresh == window:
@@ -263,7 +279,7 @@ class VllmBackend:
 
     def _forget_window(self) -> None:
         """Make the next :attr:`context_window` read ask the server again."""
-        self.__dict__.pop("context_window", None)
+        self._window = None
 
     def _refusal(self, response: httpx.Response, where: str = _COMPLETIONS) -> Exception:
         """The error for a failed ``response``: the request's fault or the server's."""
