@@ -2,9 +2,11 @@
 
 The prompt's segments travel as a text completion whose ``chunkcache`` extension names
 every chunk (id and text) and turns off the server's own matching, so the server splits
-the prompt exactly as this process did; the text streams back as SSE and the final
-usage carries the server's :class:`GenerationStats`.  Chat templates are applied by the
-server (``POST /v1/chunkcache/render``), which holds the tokenizer.
+the prompt exactly as this process did; a request whose segments that matching would not
+give back (segments the caller built: two texts side by side, a chunk too short to match,
+a chunk's text also in plain text) sends its segments themselves.  The text streams back
+as SSE and the final usage carries the server's :class:`GenerationStats`.  Chat templates
+are applied by the server (``POST /v1/chunkcache/render``), which holds the tokenizer.
 
 >>> backend = HttpBackend("http://127.0.0.1:8000")  # doctest: +SKIP
 >>> llm = ChunkCacheLLM(cache=ChunkCache(backend=backend))  # doctest: +SKIP
@@ -14,8 +16,10 @@ or answering something other than the JSON it should -> :class:`BackendUnavailab
 a 429 -> :class:`QueueFullError` (with the server's Retry-After, seconds or a date); a
 503 ``shutting_down`` -> :class:`ShuttingDownError` (its other 503, a failed engine, is
 a :class:`BackendUnavailableError`, as the local backends raise);
-a 400, 404 or 413 -> ValueError with the server's message (:class:`PromptTooLongError`,
-as the local backends raise, for a 400 ``prompt_too_long``); a 401 or 403 (the ``api_key``
+a 400, 404 or 413 -> ValueError with the server's message (for a 400 whose input the local
+backends refuse, their error: :class:`PromptTooLongError`, :class:`EmptyPromptError`,
+:class:`InvalidTextError`...); a prompt with no text or with a lone surrogate is refused here,
+as the local backends refuse it, before it is sent; a 401 or 403 (the ``api_key``
 is missing or wrong) -> ValueError saying so; a ``base_url`` that is not an
 http(s) URL with a host (:func:`~chunkcache.core.urls.server_root`), or an ``api_key`` that
 is not visible ASCII (:func:`check_api_key`) -> ValueError when the backend is made.
@@ -33,8 +37,12 @@ from typing import Any
 
 import httpx
 
+from chunkcache.core.chunk_ids import check_unicode
 from chunkcache.core.errors import (
     BackendUnavailableError,
+    EmptyPromptError,
+    InvalidConversationIdError,
+    InvalidTextError,
     PromptTooLongError,
     QueueFullError,
     ShuttingDownError,
@@ -42,7 +50,7 @@ from chunkcache.core.errors import (
 from chunkcache.core.generation import GenerationChunk, GenerationRequest, GenerationStats
 from chunkcache.core.http_streams import HttpStream, StreamConnection, own_connection_client
 from chunkcache.core.json_shapes import completion_events, error_message, json_object, shaped
-from chunkcache.core.segmenter import ChunkSegment
+from chunkcache.core.segmenter import ChunkSegment, Segment, segment_prompt
 from chunkcache.core.urls import check_api_key, server_root
 
 _STATS_FIELDS = frozenset(f.name for f in fields(GenerationStats))
@@ -51,6 +59,13 @@ _COMPLETIONS = "POST /v1/completions"
 _SERVER = "chunkcache serve"
 # The connection broke before an answer (not a timeout: that server may still be working).
 _NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# A 400's code -> the error the local backends raise for the same input.
+_REFUSALS: dict[str, type[ValueError]] = {
+    "prompt_too_long": PromptTooLongError,
+    "empty_prompt": EmptyPromptError,
+    "invalid_text": InvalidTextError,
+    "invalid_conversation_id": InvalidConversationIdError,
+}
 
 
 class HttpBackend:
@@ -98,8 +113,13 @@ class HttpBackend:
         return self._context_window
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The server's chat template applied to ``messages``."""
-        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        """The server's chat template applied to ``messages``; :class:`InvalidTextError` for a
+        lone surrogate (no JSON body carries one), as generating from it locally raises."""
+        body = {
+            "messages": [
+                {"role": m["role"], "content": check_unicode(m["content"])} for m in messages
+            ]
+        }
         return self._json("POST", "/v1/chunkcache/render", body, prompt=str)["prompt"]
 
     def stream(self, request: GenerationRequest) -> HttpStream:
@@ -132,11 +152,17 @@ class HttpBackend:
         yield GenerationChunk("", stats)
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
-        chunks = {s.chunk_id: s.text for s in request.segments if isinstance(s, ChunkSegment)}
+        """The completion request for ``request``; raises what the local backends raise for
+        a prompt with a lone surrogate or with no text, before anything is sent."""
+        for segment in request.segments:
+            check_unicode(segment.text)
+        prompt = "".join(segment.text for segment in request.segments)
+        if not prompt:
+            raise EmptyPromptError("the prompt has no tokens")
         params = request.sampling
         return {
             "model": self.model_name,
-            "prompt": "".join(segment.text for segment in request.segments),
+            "prompt": prompt,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -145,7 +171,7 @@ class HttpBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
             "chunkcache": {
-                "chunks": [{"id": cid, "text": text} for cid, text in chunks.items()],
+                **_split(prompt, request.segments),
                 "match_registered": False,
                 "policy": request.policy,
                 "recompute_ratio": request.recompute_ratio,
@@ -174,6 +200,25 @@ class HttpBackend:
         with self._request(method, path, body) as response:
             response.read()
             return json_object(response.text, f"{method} {path}", _SERVER, **shape)
+
+
+def _split(prompt: str, segments: Sequence[Segment]) -> dict[str, Any]:
+    """How the server is to split ``prompt`` into ``segments``: by finding the chunks in it,
+    as the segmenter split it, or (when that would not give ``segments`` back) by the
+    segments themselves, which a server older than that option refuses."""
+    pairs = list(
+        dict.fromkeys((s.chunk_id, s.text) for s in segments if isinstance(s, ChunkSegment))
+    )
+    if segment_prompt(prompt, None, pairs) == list(segments):
+        return {"chunks": [{"id": cid, "text": text} for cid, text in pairs]}
+    return {
+        "segments": [
+            {"text": s.text, "chunk_id": s.chunk_id}
+            if isinstance(s, ChunkSegment)
+            else {"text": s.text}
+            for s in segments
+        ]
+    }
 
 
 class _Response:
@@ -227,8 +272,8 @@ def _raise_for(response: httpx.Response) -> None:
     response.read()
     message, code = error_message(response.text)
     status = response.status_code
-    if status == 400 and code == "prompt_too_long":
-        raise PromptTooLongError(f"chunkcache serve refused the request ({status}): {message}")
+    if status == 400 and code in _REFUSALS:
+        raise _REFUSALS[code](f"chunkcache serve refused the request ({status}): {message}")
     if status == 429:
         retry = _retry_after_s(response.headers.get("retry-after", ""))
         raise QueueFullError(f"chunkcache serve is full: {message}", retry_after_s=retry)

@@ -12,6 +12,9 @@ max_tokens over ``max_tokens_limit``       400     invalid_request_error (max_to
 prompt over ``max_prompt_chars``, or       400     invalid_request_error (prompt_too_long)
 (plus max_tokens) over the context window,
 or leaving no room to generate
+a prompt with no tokens, text the model    400     invalid_request_error (empty_prompt,
+cannot read, a bad conversation id, as             invalid_text,
+the backend refuses them                           invalid_conversation_id)
 missing or wrong API key                   401     authentication_error (invalid_api_key)
 another model than the one served          404     invalid_request_error (model_not_found)
 body larger than ``max_body_bytes``        413     invalid_request_error (body_too_large)
@@ -38,6 +41,9 @@ from fastapi.responses import JSONResponse
 from chunkcache.core.errors import (
     BackendUnavailableError,
     ChunkCacheError,
+    EmptyPromptError,
+    InvalidConversationIdError,
+    InvalidTextError,
     PromptTooLongError,
     QueueFullError,
     ShuttingDownError,
@@ -45,6 +51,13 @@ from chunkcache.core.errors import (
 from chunkcache.core.serve.schemas import error_body
 
 log = logging.getLogger("chunkcache.serve")
+# The refusals whose code lets HttpBackend raise the error the local backends raise.
+REFUSAL_CODES: tuple[tuple[type[ChunkCacheError], str], ...] = (
+    (PromptTooLongError, "prompt_too_long"),
+    (EmptyPromptError, "empty_prompt"),
+    (InvalidTextError, "invalid_text"),
+    (InvalidConversationIdError, "invalid_conversation_id"),
+)
 
 
 class ServeError(Exception):
@@ -86,10 +99,9 @@ def serve_error(error: BaseException) -> ServeError:
     if isinstance(error, BackendUnavailableError):
         log.error("chunkcache serve: the engine failed", exc_info=error)
         return ServeError(503, str(error), "service_unavailable", "backend_unavailable")
-    if isinstance(error, PromptTooLongError):
-        return ServeError(400, str(error), code="prompt_too_long")
     if isinstance(error, ChunkCacheError):  # InvalidChunkError, InvalidTextError...: refusals
-        return ServeError(400, str(error))
+        codes = (code for kind, code in REFUSAL_CODES if isinstance(error, kind))
+        return ServeError(400, str(error), code=next(codes, None))
     if isinstance(error, ValueError):
         # The library's way to refuse input (bad sampling values, a prompt with no tokens)
         # but a bug's too: answered as a refusal, logged so a bug does not go unseen.

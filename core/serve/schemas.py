@@ -7,7 +7,11 @@ Every generation request may carry a ``chunkcache`` object (with the ``openai`` 
      "match_registered": true,                     # also find chunks sent to /v1/chunks
      "policy": "cacheblend", "recompute_ratio": 0.15, "conversation_id": "user-42"}
 
-A chunk without ``id`` gets its content hash, as the retrievers compute it.  Fields
+A chunk without ``id`` gets its content hash, as the retrievers compute it.  Instead of
+``chunks``, a text completion may give the prompt's split itself, ``"segments": [{"text":
+"..."}, {"text": "...", "chunk_id": "doc-7"}, ...]``, whose texts make up the prompt: what
+:class:`~chunkcache.core.http_backend.HttpBackend` sends for segments its caller built, which
+finding the chunks would not give back.  Fields
 OpenAI defines but the engine cannot honour (tools, logprobs, n > 1, content parts other
 than text, ...) are refused with a 400 naming the field (the error's ``param``) rather than
 silently ignored; other unknown fields (``user``, a message's ``name``...) are ignored.  A field
@@ -83,17 +87,40 @@ class ChunkRef(BaseModel):
         return (self.id if self.id is not None else chunk_id(self.text), self.text)
 
 
+class SegmentRef(BaseModel):
+    """One segment of a prompt split by the client: its text, and its chunk id if a chunk."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Text
+    chunk_id: str | None = Field(default=None, max_length=128)
+
+
 class ChunkCacheOptions(BaseModel):
     """The ``chunkcache`` extension object of a generation request."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     chunks: list[ChunkRef] | None = Field(default=None, max_length=MAX_CHUNKS_PER_REQUEST)
+    # a prompt with the most chunks, and a text around each
+    segments: list[SegmentRef] | None = Field(
+        default=None, max_length=2 * MAX_CHUNKS_PER_REQUEST + 1
+    )
     match_registered: bool = True
     policy: Policy | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     conversation_id: str | None = None
     fit_window: bool = False  # max_tokens is a cap, cut to the room the prompt leaves
+
+    @model_validator(mode="after")
+    def _one_split(self) -> ChunkCacheOptions:
+        if self.segments is not None and self.chunks is not None:
+            raise PydanticCustomError(
+                "conflict",
+                "chunks and segments both split the prompt: give one of them",
+                {"param": "chunkcache.segments"},
+            )
+        return self
 
 
 class StreamOptions(BaseModel):

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from chunkcache.core.cache import ChunkCache
+from chunkcache.core.chunk_ids import validate_chunk_id
 from chunkcache.core.generation import DEFAULT_POLICY, DEFAULT_RECOMPUTE_RATIO, Backend
 from chunkcache.core.generation import GenerationRequest as EngineRequest
 from chunkcache.core.prompting import backend_model_name, build_request
+from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
 from chunkcache.core.serve.errors import ServeError, template_refusal
 from chunkcache.core.serve.metrics import ServeMetrics
 from chunkcache.core.serve.runner import Runner
-from chunkcache.core.serve.schemas import ChatMessage, GenerationBody
+from chunkcache.core.serve.schemas import ChatMessage, GenerationBody, SegmentRef
 from chunkcache.core.serve.settings import ServeSettings
 
 
@@ -91,9 +94,11 @@ class ServeState:
             )
         options = body.chunkcache
         chunks = [c.pair() for c in options.chunks] if options.chunks is not None else None
-        return build_request(
+        # Given segments are the split: the prompt is matched against no chunk.
+        matching = options.match_registered and options.segments is None
+        request = build_request(
             prompt,
-            self.cache if options.match_registered else self.unregistered,
+            self.cache if matching else self.unregistered,
             chunks=chunks,
             conversation_id=options.conversation_id,
             recompute=options.policy or DEFAULT_POLICY,
@@ -106,6 +111,9 @@ class ServeState:
             **body.sampling(),
             fit_window=max_tokens is None or options.fit_window,
         )
+        if options.segments is None:
+            return request
+        return replace(request, segments=_given_segments(options.segments, prompt))
 
     def gauges(self) -> dict[str, Any]:
         """Live values for /metrics: in-flight requests, the backend's and store's metrics."""
@@ -128,6 +136,20 @@ class ServeState:
             shutdown(timeout_s=self.settings.shutdown_timeout_s, drain=True)
         if self.store is not None and callable(getattr(self.store, "close", None)):
             self.store.close()
+
+
+def _given_segments(segments: Sequence[SegmentRef], prompt: str) -> list[Segment]:
+    """The segments a request gave, checked to make up its prompt and to name valid ids."""
+    if "".join(segment.text for segment in segments) != prompt:
+        raise ServeError(
+            400, "chunkcache.segments do not make up the prompt", param="chunkcache.segments"
+        )
+    return [
+        TextSegment(s.text)
+        if s.chunk_id is None
+        else ChunkSegment(validate_chunk_id(s.chunk_id), s.text)
+        for s in segments
+    ]
 
 
 __all__ = ["ServeState"]
