@@ -16,9 +16,10 @@ another.  The tiered store (device/host/disk/Redis) implements the same
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +27,8 @@ from torch import Tensor
 
 from chunkcache.core.chunk_ids import chunk_id_of
 from chunkcache.core.craft import MIN_CFO_FOR_REUSE_COUNT, CraftMeta
+
+log = logging.getLogger(__name__)
 
 
 def segment_key(token_ids: Sequence[int]) -> str:
@@ -123,6 +126,50 @@ class KVStore(Protocol):
         ...
 
 
+DropListener = Callable[[str, str, str], None]  # (fingerprint, segment_id, context)
+
+
+class DropListeners(list[DropListener]):
+    """The callables a store tells that a variant left it (ChunkCache's prefix tree
+    follows evictions this way); a plain list to add to.
+
+    :meth:`notify` calls every listener for every variant even when one raises.  A
+    listener's error is logged (the first with its traceback), never raised: the store
+    calls them once it is consistent again, often from deep inside a put making room (a
+    tier's eviction loop, under the store's lock) for entries the caller never asked about.
+    Raising would fail a request whose own KV was stored fine, and, since every later
+    eviction calls the same broken listener, every request that evicts; whereas a listener
+    that missed a drop costs a prefix-tree path that misses, never wrong KV.  An interrupt
+    (KeyboardInterrupt, SystemExit) is the caller's own: raised once every listener heard.
+    """
+
+    def __init__(self, listeners: Iterable[DropListener] = ()) -> None:
+        super().__init__(listeners)
+        self.num_errors = 0
+        self._lock = threading.Lock()
+
+    def notify(self, dropped: Iterable[tuple[str, str, str]]) -> None:
+        """Tell every listener of every ``(fingerprint, segment_id, context)`` dropped."""
+        interrupt: BaseException | None = None
+        for names in dropped:
+            for listener in list(self):  # a listener may be added meanwhile (another thread)
+                try:
+                    listener(*names)
+                except Exception:
+                    self._failed(names[1])
+                except BaseException as error:
+                    interrupt = interrupt or error
+        if interrupt is not None:
+            raise interrupt
+
+    def _failed(self, segment_id: str) -> None:
+        with self._lock:
+            self.num_errors += 1
+            first = self.num_errors == 1
+        level = logging.WARNING if first else logging.DEBUG
+        log.log(level, "a drop listener failed on %s", segment_id, exc_info=first)
+
+
 def holds_segment(store: KVStore, fingerprint: str, segment_id: str) -> bool:
     """Whether ``store`` holds any variant of ``segment_id``.  Asked of a store that can tell
     without a use (``contains_segment``), it is not one: asking must not reorder the LRU."""
@@ -148,7 +195,7 @@ class MemoryKVStore:
         self._by_chunk: dict[tuple[str, str], set[str]] = {}
         self._lock = threading.Lock()
         # Called as listener(fingerprint, segment_id, context) after a variant is evicted.
-        self.drop_listeners: list[Callable[[str, str, str], None]] = []
+        self.drop_listeners = DropListeners()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -168,9 +215,8 @@ class MemoryKVStore:
                 evicted.append(next(iter(self._entries)))
                 self._drop(evicted[-1])
                 self.num_evictions += 1
-        for gone in evicted:  # outside the lock: a listener may call back into the store
-            for listener in self.drop_listeners:
-                listener(*gone)
+        # outside the lock, the store consistent: a listener may call back into it
+        self.drop_listeners.notify(evicted)
 
     def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
         key = (fingerprint, segment_id, context)

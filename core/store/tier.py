@@ -99,12 +99,16 @@ class MemoryTier:
             return False
         variant = self._on_device(variant)
         with self._lock:
-            self.remove(key)
-            while self._bytes + variant.num_bytes > self.capacity_bytes:
-                out = victim(list(self._entries))
+            # an older variant under ``key`` is replaced last: a put interrupted while making
+            # room (Ctrl-C in a demotion) leaves it held, not gone without the store knowing
+            old = self._entries.get(key)
+            replaced = old.num_bytes if old is not None else 0
+            while self._bytes - replaced + variant.num_bytes > self.capacity_bytes:
+                out = victim([k for k in self._entries if k != key])
                 gone = (self._fingerprints[out], self._entries[out])
                 self.remove(out)
                 evicted(out, functools.partial(_same, gone))
+            self.remove(key)
             self._entries[key] = variant
             self._fingerprints[key] = fingerprint
             self._by_segment.setdefault(key.segment_key, set()).add(key)

@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.kv_store import DropListeners, KVVariant
 from chunkcache.core.store.backfill import PendingWrites
 from chunkcache.core.store.codec import EntryKey, entry_key, namespace_of
 from chunkcache.core.store.codec import segment_of as segment_hash
@@ -84,7 +84,7 @@ class TieredKVStore(TieredReads):
                 p.default_cost = self._estimated_cost
         self._init_stats()
         # called with (fingerprint, segment_id, context) when a variant leaves the store
-        self.drop_listeners: list[Callable[[str, str, str], None]] = []
+        self.drop_listeners = DropListeners()
         self._metrics = StoreMetrics([t.name for t in self.tiers])
         self._io_warned: set[str] = set()
         self._whole_until: dict[str, float] = {}  # tier name -> monotonic end of whole reads

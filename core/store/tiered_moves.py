@@ -9,9 +9,12 @@ Write-through copies a new variant to every lower tier (RAG-DCache §III).  A pu
 an older variant under the same key (approximate KV, say, now computed exactly) in every
 tier: write-through rewrites a lower copy that differs, and, where none ran, the put variant
 drops such a copy when it is evicted and moves down in its place.  A failing tier is
-counted (``errors``) and skipped, never a failed request.  A write-through a shared tier
-(Redis) skipped while down is remembered (:class:`~chunkcache.core.store.backfill.PendingWrites`)
-and made once the tier answers again, from the local tier that still holds the entry.
+counted (``errors``) and skipped, never a failed request; so is any failure moving an
+evicted entry down (a MemoryError encoding it, a bug): the entry is not the caller's, and it
+already left the tier evicting it, so it goes on down or is dropped for good.  A
+write-through a shared tier (Redis) skipped while down is remembered
+(:class:`~chunkcache.core.store.backfill.PendingWrites`) and made once the tier answers again,
+from the local tier that still holds the entry.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from chunkcache.core.kv_store import KVVariant
+from chunkcache.core.kv_store import DropListeners, KVVariant
 from chunkcache.core.store import codec
 from chunkcache.core.store.backfill import PendingWrites
 from chunkcache.core.store.codec import CorruptEntryError, EntryKey
@@ -38,7 +41,7 @@ T = TypeVar("T")
 class TieredMoves(TieredStats):
     """The moving part of :class:`~chunkcache.core.store.tiered.TieredKVStore`."""
 
-    drop_listeners: list[Callable[[str, str, str], None]]
+    drop_listeners: DropListeners
     _metrics: StoreMetrics
     _io_warned: set[str]
     _lock: threading.RLock
@@ -171,14 +174,27 @@ class TieredMoves(TieredStats):
         return variant
 
     def _insert(
-        self, i: int, key: EntryKey, fingerprint: str, variant: KVVariant, fall_through: bool = True
+        self,
+        i: int,
+        key: EntryKey,
+        fingerprint: str,
+        variant: KVVariant,
+        fall_through: bool = True,
+        moving: bool = False,
     ) -> int | None:
-        """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in."""
+        """Put into tier ``i`` (or the first lower tier it fits in); the tier it landed in.
+        A tier failing with OSError is passed over; so is one failing in any way to take an
+        entry ``moving`` down (no caller's: its error is the store's)."""
         for j in range(i, len(self.tiers) if fall_through else i + 1):
             try:
                 placed = self.tiers[j].put(key, fingerprint, variant, *self._callbacks(j, key))
             except OSError as error:  # full or failing disk: try the next tier
                 self._io_error(self.tiers[j], error)
+                continue
+            except Exception as error:
+                if not moving:
+                    raise  # the caller's variant: its error
+                self._move_error(self.tiers[j], error, "passed over")
                 continue
             if placed:
                 self.policies[j].touched(key, self._stats_of(key))
@@ -200,9 +216,23 @@ class TieredMoves(TieredStats):
     def _evicted(self, i: int, key: EntryKey, loader: Loader) -> None:
         """Tier ``i`` evicted ``key``: move it one tier down unless a copy is already below
         (swap out only once); else it is gone for good, unless a faster tier still holds the
-        copy promoted from here (that copy moves down when that tier evicts it)."""
+        copy promoted from here (that copy moves down when that tier evicts it).
+
+        Called while tier ``i`` makes room for another entry: a failure here fails no
+        caller; the entry is dropped unless another tier holds it."""
         self._metrics.tier(self.tiers[i].name, "evictions")
         self.policies[i].evicted(key, self._stats_of(key))
+        try:
+            self._demote(i, key, loader)
+        except Exception as error:  # reading it (a MemoryError decoding), a bug
+            self._move_error(self.tiers[i], error, "dropped")
+            self._drop_unless_held(i, key)
+        except BaseException:  # Ctrl-C is the caller's, but the entry must not linger
+            self._drop_unless_held(i, key)
+            raise
+
+    def _demote(self, i: int, key: EntryKey, loader: Loader) -> None:
+        """:meth:`_evicted`'s move down (or drop)."""
         lower = self.tiers[i + 1 :]
         above = any(key in tier for tier in self.tiers[:i])
         if lower and key in self._newer and not above:  # above, the put one may still be
@@ -211,7 +241,7 @@ class TieredMoves(TieredStats):
         if any(key in tier for tier in lower):
             return
         loaded = loader() if lower else None
-        if loaded is not None and self._insert(i + 1, key, loaded[0], loaded[1]) is not None:
+        if loaded is not None and self._insert(i + 1, key, *loaded, moving=True) is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
         elif not above:
             self._dropped(key)
@@ -236,7 +266,7 @@ class TieredMoves(TieredStats):
         ]
         # a tier below holds this variant already: swap out only once
         same_below = any(key in self.tiers[j] for j in below if j not in older)
-        placed = None if same_below else self._insert(i + 1, key, fingerprint, variant)
+        placed = None if same_below else self._insert(i + 1, key, fingerprint, variant, moving=True)
         if placed is not None:
             self._metrics.tier(self.tiers[i].name, "demotions")
         elif not same_below:
@@ -250,13 +280,18 @@ class TieredMoves(TieredStats):
                 except OSError as error:
                     self._io_error(self.tiers[j], error)
 
+    def _drop_unless_held(self, i: int, key: EntryKey) -> None:
+        """Tier ``i`` evicted ``key`` but moving it failed: dropped unless another tier
+        holds it (tier ``i`` may still list it until the eviction returns: disk)."""
+        if not any(key in tier for j, tier in enumerate(self.tiers) if j != i):
+            self._dropped(key)
+
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
         self._newer.pop(key, None)
         stats = self._forget_stats(key)
         if stats is not None and stats.names is not None:
-            for listener in self.drop_listeners:
-                listener(*stats.names)
+            self.drop_listeners.notify([stats.names])
 
     def _guarded(self, tier: Tier, read: Callable[[], T]) -> T | None:
         """``read()`` from ``tier``; a corrupt entry or a failing tier is a miss."""
@@ -278,3 +313,20 @@ class TieredMoves(TieredStats):
         level = logging.DEBUG if tier.name in self._io_warned else logging.WARNING
         self._io_warned.add(tier.name)
         log.log(level, "the %s tier failed (%s): treated as a miss", tier.name, error)
+
+    def _move_error(self, tier: Tier, error: Exception, outcome: str) -> None:
+        """Count ``tier`` failing to move an evicted entry down other than by I/O; the first
+        of each kind of error is logged as a warning, with its traceback (it may be a bug)."""
+        self._metrics.tier(tier.name, "errors")
+        kind = f"{tier.name}/{type(error).__name__}"
+        first = kind not in self._io_warned
+        self._io_warned.add(kind)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "the %s tier failed moving an evicted entry down (%s: %s): %s",
+            tier.name,
+            type(error).__name__,
+            error,
+            outcome,
+            exc_info=error if first else None,
+        )
