@@ -16,6 +16,18 @@ It goes wherever a retriever goes, and reads the conversation from the config it
 in ``create_retrieval_chain``, in ``create_history_aware_retriever`` (it is asked the
 rephrased question, in the conversation), in a LangGraph node (the ``thread_id`` is the
 conversation, also when the node passes no config).
+
+Wrap the outermost retriever of a pipeline (a wrapper around one that holds wrappers
+plans each request once).  Wrappers inside an ``EnsembleRetriever`` alone each plan a
+request: one question is counted once per wrapper, and with ``dedupe="drop"`` a later one
+leaves out what an earlier one just returned (its vote in the fusion is lost).  Under a
+retriever that rewrites texts after the wrapper named them (a
+``ContextualCompressionRetriever`` whose compressor splits or extracts), each piece keeps
+the ``chunk_id`` of the whole text, which no prompt holds.  ``ContextualCompressionRetriever``
+and ``MultiQueryRetriever`` call their base without the caller's config: a wrapper inside
+one that is invoked directly sees no conversation (nothing is deduped); inside a chain it
+reads the chain's config, and a ``conversation_id=`` keyword passed to a
+``ContextualCompressionRetriever`` reaches it.
 """
 
 from __future__ import annotations

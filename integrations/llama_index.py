@@ -260,10 +260,17 @@ class ChunkCacheRetriever(BaseRetriever):
     Wrapping a retriever that already is (or contains) a wrapper on the same cache is
     safe: the outermost wrapper plans each request once (with its own conversation id,
     else the inner one's), the inner ones pass their base's nodes through (see
-    :mod:`chunkcache.core.retrieval`).  So wrap a ``QueryFusionRetriever`` itself: it
-    merges its sub-retrievers' nodes by hash, which covers the metadata a wrapper adds,
-    so a chunk that wrapped sub-retrievers alone returned at different ranks comes out
-    twice (a :class:`ChunkCachePostprocessor` then sends it once).
+    :mod:`chunkcache.core.retrieval`).  So wrap a ``QueryFusionRetriever`` itself (its
+    sub-retrievers may be wrapped too: they pass their nodes through, fused as unwrapped).
+    It merges its sub-retrievers' nodes by hash, which covers the metadata a wrapper adds:
+    under wrapped sub-retrievers alone, a chunk two of them returned is fused as two nodes,
+    so it is not ranked up and its copies take two of the fusion's ``similarity_top_k``
+    places (fewer chunks come back).  LlamaIndex returns it once when the copies are one
+    node, twice when they come from two indexes of one corpus (a
+    :class:`ChunkCachePostprocessor` then sends it once).  Likewise wrap a retriever that
+    puts other nodes in place of its base's (``AutoMergingRetriever``'s merged parents,
+    ``RecursiveRetriever``'s referenced nodes): a wrapper inside it names the nodes it
+    replaces, and the nodes it puts in come back without a ``chunk_id``.
 
     >>> retriever = ChunkCacheRetriever(base, ordering="frequency")  # doctest: +SKIP
     >>> retriever.for_conversation("user-42").retrieve("What is json.dumps?")  # doctest: +SKIP
