@@ -14,9 +14,11 @@ Only files of an entry's name are ever counted, swept or evicted, so the directo
 other files (even in folders named ``v1``, ``v2``), which stay.
 
 A write goes to temp files first (fsync; removed if writing fails), then, under the lock,
-the old header is removed, the data renamed into place, then the header (the commit), then
-the directory fsynced.  A process killed at any point leaves either the old entry, no
-entry, or the new entry, plus at worst a data file without a header or a temp file, both
+room is made (an older entry under the same key counts as room and stays readable while
+others are evicted: a commit interrupted there, or failing, keeps it), the old header is
+removed, the data renamed into place, then the header (the commit), then the directory
+fsynced.  A process killed at any point leaves either the old entry, no entry, or the new
+entry, plus at worst a data file without a header or a temp file, both
 swept on the next open (as is a header whose data someone deleted).  Reads take
 no lock.  :meth:`DiskTier.get` reads a whole entry and verifies its header and every layer
 (codec.decode).  :meth:`DiskTier.open_lazy` reads and verifies only the header and opens the
@@ -165,17 +167,24 @@ class DiskTier:
         return PreparedWrite(key, len(data) + len(raw), (tmp_data, tmp_header))
 
     def commit(self, prepared: PreparedWrite, victim: Victim, evicted: Evicted) -> bool:
-        """The quick part of :meth:`put`, under the lock: make room, rename into place."""
+        """The quick part of :meth:`put`, under the lock: make room, rename into place.
+        An older entry under the key is replaced last, once room is made."""
         key, size = prepared.key, prepared.size
         data_path, header_path = self._index.paths(key)
         tmp_data, tmp_header = prepared.temps
         try:
             with self._index.locked():
+                replaced = self._index.size_of(key)
+                while self.num_bytes - replaced + size > self.capacity_bytes:
+                    others = [k for k in self.entry_keys() if k != key]
+                    if not others:
+                        break
+                    out = victim(others)
+                    try:
+                        evicted(out, functools.partial(self._load_quietly, out))
+                    finally:  # even if interrupted: the store was told it is gone
+                        self._index.remove_files(out)
                 self._index.remove_files(key)
-                while len(self._index) and self.num_bytes + size > self.capacity_bytes:
-                    out = victim(self._index.keys())
-                    evicted(out, functools.partial(self._load_quietly, out))
-                    self._index.remove_files(out)
                 os.replace(tmp_data, data_path)
                 os.replace(tmp_header, header_path)  # the commit
                 self._index.added(key, size)  # in place, even if the fsync below fails

@@ -91,6 +91,10 @@ class DiskIndex:
                 if not read_only:
                     self._epoch = _bump_epoch(self.root)
 
+    def size_of(self, key: EntryKey) -> int:
+        """Bytes of ``key``'s committed entry; 0 if there is none."""
+        return self._sizes.get(key, 0)
+
     def added(self, key: EntryKey, size: int) -> None:
         """``key`` was committed with ``size`` bytes (under :meth:`locked`)."""
         self._sizes[key] = size

@@ -107,9 +107,17 @@ class TieredKVStore(TieredReads):
         key = entry_key(fingerprint, variant.segment_id, variant.context)
         self._metrics.store("puts")
         with self._lock:
+            known = key in self.stats
             stats = self._touch(key, fingerprint, variant, count=True)
             stats.reuse = variant.reuse
-            self._insert(0, key, fingerprint, variant)
+            try:
+                placed = self._insert(0, key, fingerprint, variant)
+            except BaseException:  # the caller's error (or Ctrl-C): counted, yet in no tier
+                self._not_placed(key, known)
+                raise
+            if placed is None:  # fits in no tier
+                self._not_placed(key, known)
+                return
             self._num_puts += 1
             number = self._num_puts
             if len(self.tiers) > 1:  # lower tiers may hold an older variant of ``key``

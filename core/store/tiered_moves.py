@@ -11,7 +11,9 @@ tier: write-through rewrites a lower copy that differs, and, where none ran, the
 drops such a copy when it is evicted and moves down in its place.  A failing tier is
 counted (``errors``) and skipped, never a failed request; so is any failure moving an
 evicted entry down (a MemoryError encoding it, a bug): the entry is not the caller's, and it
-already left the tier evicting it, so it goes on down or is dropped for good.  A
+already left the tier evicting it, so it goes on down or is dropped for good.  A hit copied
+up that the fastest tier fails to take (a MemoryError moving it to the device, a bug) is
+counted the same way and served from its lower copy.  A
 write-through a shared tier (Redis) skipped while down is remembered
 (:class:`~chunkcache.core.store.backfill.PendingWrites`) and made once the tier answers again,
 from the local tier that still holds the entry.
@@ -158,7 +160,7 @@ class TieredMoves(TieredStats):
             with self._lock:
                 held = key in tier
             read = functools.partial(tier.get, key, fingerprint)
-            if held and (variant := self._guarded(tier, read)) is not None:
+            if held and (variant := self._guarded(tier, read, key)) is not None:
                 return variant
         return None
 
@@ -167,11 +169,20 @@ class TieredMoves(TieredStats):
         the fastest tier took meanwhile (a newer put, read unlocked) is kept."""
         if key in self.tiers[0]:
             return variant
-        placed = self._insert(0, key, fingerprint, variant, fall_through=False)
-        if placed == 0:
+        if self._copy_up(key, fingerprint, variant):
             self._metrics.tier(self.tiers[i].name, "promotions")
             return self.tiers[0].get(key, fingerprint) or variant
         return variant
+
+    def _copy_up(self, key: EntryKey, fingerprint: str, variant: KVVariant) -> bool:
+        """Whether the fastest tier took a copy of a variant found below.  Its failing is
+        counted, never raised: the hit is sound and served from below, and the caller (a
+        lookup, a lazy read mid-prefill, a prefetch) asked for KV, not for a move."""
+        try:
+            return self._insert(0, key, fingerprint, variant, fall_through=False) == 0
+        except Exception as error:  # a MemoryError moving it to the device, a bug
+            self._move_error(self.tiers[0], error, "served from below")
+            return False
 
     def _insert(
         self,
@@ -226,9 +237,9 @@ class TieredMoves(TieredStats):
             self._demote(i, key, loader)
         except Exception as error:  # reading it (a MemoryError decoding), a bug
             self._move_error(self.tiers[i], error, "dropped")
-            self._drop_unless_held(i, key)
+            self._drop_unless_held(key, i)
         except BaseException:  # Ctrl-C is the caller's, but the entry must not linger
-            self._drop_unless_held(i, key)
+            self._drop_unless_held(key, i)
             raise
 
     def _demote(self, i: int, key: EntryKey, loader: Loader) -> None:
@@ -280,11 +291,25 @@ class TieredMoves(TieredStats):
                 except OSError as error:
                     self._io_error(self.tiers[j], error)
 
-    def _drop_unless_held(self, i: int, key: EntryKey) -> None:
-        """Tier ``i`` evicted ``key`` but moving it failed: dropped unless another tier
-        holds it (tier ``i`` may still list it until the eviction returns: disk)."""
-        if not any(key in tier for j, tier in enumerate(self.tiers) if j != i):
+    def _drop_unless_held(self, key: EntryKey, evicting: int | None = None) -> None:
+        """``key`` left a tier (evicted by tier ``evicting`` but not moved down, or found
+        corrupt): dropped unless another tier holds it (the evicting tier may still list it
+        until the eviction returns: disk)."""
+        with self._lock:
+            if not any(key in tier for j, tier in enumerate(self.tiers) if j != evicting):
+                self._dropped(key)
+
+    def _not_placed(self, key: EntryKey, known: bool) -> None:
+        """A put of ``key`` failed, or fit in no tier: ``key`` is forgotten unless a tier
+        holds an older variant.  The listeners hear of it only if the store ``known`` it
+        before the put (an older variant left on the way); a new one never entered."""
+        if any(key in tier for tier in self.tiers):
+            return
+        if known:
             self._dropped(key)
+        else:
+            self._newer.pop(key, None)
+            self._forget_stats(key)
 
     def _dropped(self, key: EntryKey) -> None:
         """``key`` left the last tier holding it: forget it, tell the listeners."""
@@ -293,19 +318,29 @@ class TieredMoves(TieredStats):
         if stats is not None and stats.names is not None:
             self.drop_listeners.notify([stats.names])
 
-    def _guarded(self, tier: Tier, read: Callable[[], T]) -> T | None:
-        """``read()`` from ``tier``; a corrupt entry or a failing tier is a miss."""
+    def _guarded(
+        self, tier: Tier, read: Callable[[], T], looked_up: EntryKey | None = None
+    ) -> T | None:
+        """``read()`` from ``tier``; a corrupt entry (which the tier removes) or a failing
+        tier is a miss.  A lookup names its key, ``looked_up``: the store then forgets a
+        corrupt entry no other tier holds.  A read for a move does not: the entry it moves
+        is in no tier until the move ends, and the move checks what is held itself."""
         try:
             return read()
         except CorruptEntryError as error:
-            self._corrupt(tier, error)
+            self._corrupt(tier, error, looked_up)
         except OSError as error:  # a failing disk is a miss, never a failed request
             self._io_error(tier, error)
         return None
 
-    def _corrupt(self, tier: Tier, error: CorruptEntryError) -> None:
+    def _corrupt(self, tier: Tier, error: CorruptEntryError, key: EntryKey | None) -> None:
+        """Count a corrupt entry ``tier`` dropped; with ``key``, drop it from the store too
+        unless another tier holds it (its statistics, and ChunkCache's prefix-tree paths
+        through it, would outlive every copy)."""
         log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
         self._metrics.tier(tier.name, "corrupt_dropped")
+        if key is not None:
+            self._drop_unless_held(key)
 
     def _io_error(self, tier: Tier, error: OSError) -> None:
         """Count an I/O failure of ``tier``; the first one is logged as a warning."""
@@ -315,15 +350,16 @@ class TieredMoves(TieredStats):
         log.log(level, "the %s tier failed (%s): treated as a miss", tier.name, error)
 
     def _move_error(self, tier: Tier, error: Exception, outcome: str) -> None:
-        """Count ``tier`` failing to move an evicted entry down other than by I/O; the first
-        of each kind of error is logged as a warning, with its traceback (it may be a bug)."""
+        """Count ``tier`` failing to move an entry (an evicted one down, a hit up) other than
+        by I/O; the first of each kind of error is logged as a warning, with its traceback
+        (it may be a bug)."""
         self._metrics.tier(tier.name, "errors")
         kind = f"{tier.name}/{type(error).__name__}"
         first = kind not in self._io_warned
         self._io_warned.add(kind)
         log.log(
             logging.WARNING if first else logging.DEBUG,
-            "the %s tier failed moving an evicted entry down (%s: %s): %s",
+            "the %s tier failed to move an entry between tiers (%s: %s): %s",
             tier.name,
             type(error).__name__,
             error,

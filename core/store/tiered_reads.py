@@ -4,7 +4,9 @@
 :meth:`TieredReads._load_lazy` reads only a disk entry's header and hands out a
 :class:`~chunkcache.core.store.lazy.LazyKVVariant` whose layers are read when placed; its
 events count each layer's read, promote the variant once whole, and drop the entry when a
-layer fails its checksum (``corrupt_dropped``) or its read (the tier's ``errors``).
+layer fails its checksum (``corrupt_dropped``) or its read (the tier's ``errors``).  An entry
+dropped on read that no other tier holds leaves the store: its statistics are forgotten and
+the drop listeners told, as for an eviction.  A hit whose copy up fails is served from below.
 
 After a layer's read failed, the tier's hits are read whole for :data:`WHOLE_AFTER_IO_ERROR_S`
 seconds: a failing disk then fails at lookup, a miss, instead of mid-prefill, so the
@@ -34,7 +36,7 @@ class TieredReads(TieredMoves):
     def _load(self, i: int, key: EntryKey, fingerprint: str) -> KVVariant | None:
         tier = self.tiers[i]
         started = time.perf_counter()
-        variant = self._guarded(tier, lambda: tier.get(key, fingerprint))
+        variant = self._guarded(tier, lambda: tier.get(key, fingerprint), key)
         if variant is not None and i > 0:
             self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
             self._metrics.tier(tier.name, "bytes_loaded", variant.num_bytes)
@@ -48,7 +50,7 @@ class TieredReads(TieredMoves):
         if i == 0 or open_lazy is None or time.monotonic() < self._whole_until.get(tier.name, 0):
             return self._load(i, key, fingerprint)
         started = time.perf_counter()
-        opened = self._guarded(tier, lambda: open_lazy(key, fingerprint))
+        opened = self._guarded(tier, lambda: open_lazy(key, fingerprint), key)
         if opened is None:
             return None
         self._metrics.tier(tier.name, "load_seconds", time.perf_counter() - started)
@@ -71,13 +73,14 @@ class TieredReads(TieredMoves):
                 self._promote(i, key, fingerprint, variant)
 
         def failed(error: CorruptEntryError) -> None:
+            with contextlib.suppress(OSError):  # dropped: the engine's rerun misses it
+                tier.remove(key)
             if isinstance(error, LayerReadError):  # the disk failed, the entry may be sound
                 self._io_error(tier, error.cause)
                 self._whole_until[tier.name] = time.monotonic() + WHOLE_AFTER_IO_ERROR_S
+                self._drop_unless_held(key)
             else:
-                self._corrupt(tier, error)
-            with contextlib.suppress(OSError):  # dropped: the engine's rerun misses it
-                tier.remove(key)
+                self._corrupt(tier, error, key)
 
         return LazyEvents(read, complete, failed)
 
@@ -107,7 +110,7 @@ class TieredReads(TieredMoves):
                         if key in self.tiers[0]:  # a newer put landed while it was read
                             continue
                         self._touch(key, fingerprint, variant, count=False)
-                        if self._insert(0, key, fingerprint, self._adopt(key, variant), False) == 0:
+                        if self._copy_up(key, fingerprint, self._adopt(key, variant)):
                             self._metrics.tier(self.tiers[i].name, "prefetched")
                             top.add(key)
                             moved += 1
