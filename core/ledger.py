@@ -13,6 +13,11 @@ first).  An id costs ~100 bytes, so the worst case is ``max_conversations x
 max_chunks_per_conversation x 100`` bytes: 400 MB in :class:`ChunkCache`'s default
 ledger (2,000 conversations), 2 GB in a ledger made with the defaults here.  Forgetting
 an id is always safe: the chunk is sent again.  All methods are thread-safe.
+
+Turns of one conversation may run at once (two tabs, a turn retried while the first try
+still streams): each one's prompt holds the chunks of its own history, not those another
+running turn just recorded.  A turn that knows its history's chunks dedupes against them
+inside :meth:`ConversationLedger.turn`, whatever the other turns record meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -78,6 +85,19 @@ class _Conversation:
     last_used: float
 
 
+@dataclass(frozen=True, eq=False)
+class _Turn:
+    """One turn's own view of its conversation: the chunks its prompt holds."""
+
+    ledger: ConversationLedger
+    key: str
+    chunk_ids: set[str]  # grows with what the turn records; changed under the ledger's lock
+
+
+# The turns open in this context (a thread or task, and work given its context), innermost last.
+_open_turns: ContextVar[tuple[_Turn, ...]] = ContextVar("chunkcache_ledger_turns", default=())
+
+
 class ConversationLedger:
     """Per-conversation sets of chunk ids, bounded by LRU, TTL and size."""
 
@@ -129,11 +149,15 @@ class ConversationLedger:
         check_dedupe_mode(mode)
         key = check_conversation_id(conversation_id)
         _check_chunk_ids(chunk_ids)
+        turn = self._open_turn(key)
         with self._lock:
             now = self._clock()
             self._expire(now)
             conversation = self._conversations.get(key)
-            seen = frozenset(conversation.chunk_ids) if conversation else frozenset()
+            if turn is not None:
+                seen = frozenset(turn.chunk_ids)
+            else:
+                seen = frozenset(conversation.chunk_ids) if conversation else frozenset()
             unique = list(dict.fromkeys(chunk_ids))
             if mode == "drop":
                 kept = [cid for cid in unique if cid not in seen]
@@ -142,7 +166,27 @@ class ConversationLedger:
                 kept, dropped = unique, []
             if mode != "off":
                 self._record(key, kept, now)
+                if turn is not None:
+                    turn.chunk_ids.update(kept)
             return DedupeResult(kept=kept, dropped=dropped, seen=seen)
+
+    @contextmanager
+    def turn(self, conversation_id: str, chunk_ids: Iterable[str]) -> Iterator[None]:
+        """A turn of ``conversation_id`` whose prompt holds ``chunk_ids`` (its history's):
+        inside, :meth:`apply` for that conversation dedupes against ``chunk_ids`` and what it
+        recorded inside, not against the conversation's shared set, which other turns running
+        at once add to (their chunks are in their own prompts, not this one's).  Inside means
+        this thread or task and the work it hands its context to (tasks it creates,
+        ``asyncio.to_thread``, LangChain's executors), not a plain ``threading.Thread``.
+        What :meth:`apply` records still goes to the shared set too."""
+        key = check_conversation_id(conversation_id)
+        _check_chunk_ids(chunk_ids)
+        turn = _Turn(self, key, set(chunk_ids))
+        token = _open_turns.set((*_open_turns.get(), turn))
+        try:
+            yield
+        finally:
+            _open_turns.reset(token)
 
     def record(self, conversation_id: str, chunk_ids: Iterable[str]) -> None:
         """Mark ``chunk_ids`` as in the conversation's context."""
@@ -170,6 +214,11 @@ class ConversationLedger:
         key = check_conversation_id(conversation_id)
         with self._lock:
             return self._conversations.pop(key, None) is not None
+
+    def _open_turn(self, key: str) -> _Turn | None:
+        """The innermost :meth:`turn` open here on this ledger for conversation ``key``."""
+        turns = [t for t in _open_turns.get() if t.ledger is self and t.key == key]
+        return turns[-1] if turns else None
 
     def _record(self, key: str, chunk_ids: Iterable[str], now: float) -> None:
         conversation = self._conversations.get(key)

@@ -23,9 +23,11 @@ holds.
 ``max_history_turns`` trims the history to a number of turns (CRAFT §4.3 drops the
 earliest turns; their answers carry what they said); with a ``ChunkCacheLLM`` the history
 is also trimmed, the same way, whenever the prompt would not fit the context window.
-Run one turn of a conversation at a time (different conversations may run at once):
-a turn resets the ledger from the history, so a turn started before the previous one
-was saved may leave out a chunk of that unsaved turn.
+Turns of one conversation may run at once (two tabs, a turn retried while the first try
+still streams): each one dedupes against the chunks of the history it loaded, so it sends
+again a chunk only another running turn holds, and is saved once it has answered, after
+whatever was saved meanwhile.  A turn that trims the history rewrites it (clear, then add),
+which a turn of the same conversation saved at that moment may not survive.
 
 >>> chain = with_chunk_history(  # doctest: +SKIP
 ...     chunk_chat_prompt("Answer from the context.") | llm,
@@ -54,7 +56,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +68,7 @@ from langchain_core.runnables import ConfigurableFieldSpec, Runnable, RunnableCo
 from langchain_core.runnables.base import RunnableBinding, RunnableBindingBase
 from langchain_core.runnables.fallbacks import RunnableWithFallbacks
 
+from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chat_turns import (
     CHUNK_IDS_KEY,
     halved,
@@ -261,13 +265,15 @@ class _ChunkHistoryTurns:
         question = self.layout.question_in(inputs)
         history = self.history_of(config)
         began = earlier = self.prepare(history, config)
-        documents = self.retriever.invoke(question, config, **self.retrieval_kwargs(config))
+        with self.deduped_against(earlier, config):
+            documents = self.retriever.invoke(question, config, **self.retrieval_kwargs(config))
         turn = self.layout.turn_of(inputs, history, earlier, documents)
         fitted = self.fits(turn)
         while not fitted and earlier:
             earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
             if retrieve_again:
-                with replanning():  # this turn's request is counted already
+                # this turn's request is counted already
+                with replanning(), self.deduped_against(earlier, config):
                     kwargs = self.retrieval_kwargs(config)
                     documents = self.retriever.invoke(question, config, **kwargs)
             turn = self.layout.turn_of(inputs, history, earlier, documents)
@@ -283,13 +289,15 @@ class _ChunkHistoryTurns:
         question = self.layout.question_in(inputs)
         history = self.history_of(config)
         began = earlier = await self.aprepare(history, config)
-        documents = await self.retriever.ainvoke(question, config, **self.retrieval_kwargs(config))
+        with self.deduped_against(earlier, config):
+            kwargs = self.retrieval_kwargs(config)
+            documents = await self.retriever.ainvoke(question, config, **kwargs)
         turn = self.layout.turn_of(inputs, history, earlier, documents)
         fitted = await asyncio.to_thread(self.fits, turn)
         while not fitted and earlier:
             earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
             if retrieve_again:
-                with replanning():
+                with replanning(), self.deduped_against(earlier, config):
                     kwargs = self.retrieval_kwargs(config)
                     documents = await self.retriever.ainvoke(question, config, **kwargs)
             turn = self.layout.turn_of(inputs, history, earlier, documents)
@@ -331,8 +339,23 @@ class _ChunkHistoryTurns:
         conversation_id = self.conversation_of(config)
         if self.chunk_retriever is not None and conversation_id is not None:
             cache = self.chunk_retriever.cache
-            held = held_chunk_ids(messages, _is_user, _text_of, cache.registry.get)
-            cache.ledger.replace(conversation_id, held)
+            cache.ledger.replace(conversation_id, _held_in(messages, cache))
+
+    @contextmanager
+    def deduped_against(
+        self, messages: Sequence[BaseMessage], config: RunnableConfig
+    ) -> Iterator[None]:
+        """The retriever, called inside, dedupes this turn against the chunks ``messages``
+        (the earlier messages its prompt carries) hold, not against the ledger: another turn
+        of the conversation running at once records chunks its own prompt holds, this one's
+        not (its history was loaded before that turn is saved)."""
+        conversation_id = self.conversation_of(config)
+        if self.chunk_retriever is None or conversation_id is None:
+            yield
+            return
+        cache = self.chunk_retriever.cache
+        with cache.ledger.turn(conversation_id, _held_in(messages, cache)):
+            yield
 
     def prepare(self, history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
         """The earlier messages this turn's prompt carries, trimmed (in the history too)."""
@@ -366,6 +389,11 @@ class _ChunkHistoryTurns:
         self.sync_ledger(kept, config)
         lost = not set(chunk_ids_in(earlier)) <= set(chunk_ids_in(kept))
         return kept, self.drops_repeats and lost
+
+
+def _held_in(messages: Sequence[BaseMessage], cache: ChunkCache) -> list[str]:
+    """The chunk ids ``messages``' user messages recorded and still hold."""
+    return held_chunk_ids(messages, _is_user, _text_of, cache.registry.get)
 
 
 def _save(history: SessionHistory, messages: list[BaseMessage]) -> None:
