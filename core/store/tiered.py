@@ -19,9 +19,10 @@ layer would cost more than it hides.  Every count is in :meth:`TieredKVStore.met
 request's counts come from :meth:`TieredKVStore.track`.
 
 The store's parts: :mod:`.tiered_reads` (whole and lazy reads, prefetch, failures as
-misses), :mod:`.tiered_moves` (insert, promote, demote, drop, write-through, and the
-backfill of a shared tier that was down, :mod:`.backfill`) and :mod:`.tiered_stats` (the
-per-entry statistics the policies read).
+misses), :mod:`.tiered_moves` (insert, promote, demote, write-through, and the
+backfill of a shared tier that was down, :mod:`.backfill`), :mod:`.tiered_drops` (entries
+leaving the store, failures counted) and :mod:`.tiered_stats` (the per-entry statistics the
+policies read).
 
 Example::
 

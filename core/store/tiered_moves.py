@@ -1,4 +1,4 @@
-"""How the tiered store moves entries between tiers: insert, promote, demote, drop.
+"""How the tiered store moves entries between tiers: insert, promote, demote.
 
 A new variant goes to the fastest tier it fits in.  A hit below is copied up (promotion) and
 the lower copy stays; a tier that must make room asks its policy for a victim, which moves
@@ -22,34 +22,22 @@ from the local tier that still holds the entry.
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-from chunkcache.core.kv_store import DropListeners, KVVariant
+from chunkcache.core.kv_store import KVVariant
 from chunkcache.core.store import codec
 from chunkcache.core.store.backfill import PendingWrites
-from chunkcache.core.store.codec import CorruptEntryError, EntryKey
-from chunkcache.core.store.metrics import StoreMetrics
+from chunkcache.core.store.codec import EntryKey
 from chunkcache.core.store.tier import Evicted, Loader, Tier, Victim
-from chunkcache.core.store.tiered_stats import TieredStats
-
-log = logging.getLogger("chunkcache.core.store.tiered")
-T = TypeVar("T")
+from chunkcache.core.store.tiered_drops import TieredDrops
 
 
-class TieredMoves(TieredStats):
+class TieredMoves(TieredDrops):
     """The moving part of :class:`~chunkcache.core.store.tiered.TieredKVStore`."""
 
-    drop_listeners: DropListeners
-    _metrics: StoreMetrics
-    _io_warned: set[str]
-    _lock: threading.RLock
     _pending: dict[int, PendingWrites]  # shared tier index -> writes it missed while down
-    # key -> number of its last put, while lower tiers may hold an older variant of it
-    _newer: dict[EntryKey, int]
     _backfill_queued: set[int]
     _closed: bool
     _submit: Callable[..., Future[Any]]
@@ -290,79 +278,3 @@ class TieredMoves(TieredStats):
                     self.tiers[j].remove(key)
                 except OSError as error:
                     self._io_error(self.tiers[j], error)
-
-    def _drop_unless_held(self, key: EntryKey, evicting: int | None = None) -> None:
-        """``key`` left a tier (evicted by tier ``evicting`` but not moved down, or found
-        corrupt): dropped unless another tier holds it (the evicting tier may still list it
-        until the eviction returns: disk)."""
-        with self._lock:
-            if not any(key in tier for j, tier in enumerate(self.tiers) if j != evicting):
-                self._dropped(key)
-
-    def _not_placed(self, key: EntryKey, known: bool) -> None:
-        """A put of ``key`` failed, or fit in no tier: ``key`` is forgotten unless a tier
-        holds an older variant.  The listeners hear of it only if the store ``known`` it
-        before the put (an older variant left on the way); a new one never entered."""
-        if any(key in tier for tier in self.tiers):
-            return
-        if known:
-            self._dropped(key)
-        else:
-            self._newer.pop(key, None)
-            self._forget_stats(key)
-
-    def _dropped(self, key: EntryKey) -> None:
-        """``key`` left the last tier holding it: forget it, tell the listeners."""
-        self._newer.pop(key, None)
-        stats = self._forget_stats(key)
-        if stats is not None and stats.names is not None:
-            self.drop_listeners.notify([stats.names])
-
-    def _guarded(
-        self, tier: Tier, read: Callable[[], T], looked_up: EntryKey | None = None
-    ) -> T | None:
-        """``read()`` from ``tier``; a corrupt entry (which the tier removes) or a failing
-        tier is a miss.  A lookup names its key, ``looked_up``: the store then forgets a
-        corrupt entry no other tier holds.  A read for a move does not: the entry it moves
-        is in no tier until the move ends, and the move checks what is held itself."""
-        try:
-            return read()
-        except CorruptEntryError as error:
-            self._corrupt(tier, error, looked_up)
-        except OSError as error:  # a failing disk is a miss, never a failed request
-            self._io_error(tier, error)
-        return None
-
-    def _corrupt(self, tier: Tier, error: CorruptEntryError, key: EntryKey | None) -> None:
-        """Count a corrupt entry ``tier`` dropped; with ``key``, drop it from the store too
-        unless another tier holds it (its statistics, and ChunkCache's prefix-tree paths
-        through it, would outlive every copy)."""
-        log.warning("dropped a corrupt entry from the %s tier: %s", tier.name, error)
-        self._metrics.tier(tier.name, "corrupt_dropped")
-        if key is not None:
-            self._drop_unless_held(key)
-
-    def _io_error(self, tier: Tier, error: OSError) -> None:
-        """Count an I/O failure of ``tier``; the first one is logged as a warning."""
-        self._metrics.tier(tier.name, "errors")
-        level = logging.DEBUG if tier.name in self._io_warned else logging.WARNING
-        self._io_warned.add(tier.name)
-        log.log(level, "the %s tier failed (%s): treated as a miss", tier.name, error)
-
-    def _move_error(self, tier: Tier, error: Exception, outcome: str) -> None:
-        """Count ``tier`` failing to move an entry (an evicted one down, a hit up) other than
-        by I/O; the first of each kind of error is logged as a warning, with its traceback
-        (it may be a bug)."""
-        self._metrics.tier(tier.name, "errors")
-        kind = f"{tier.name}/{type(error).__name__}"
-        first = kind not in self._io_warned
-        self._io_warned.add(kind)
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "the %s tier failed to move an entry between tiers (%s: %s): %s",
-            tier.name,
-            type(error).__name__,
-            error,
-            outcome,
-            exc_info=error if first else None,
-        )
