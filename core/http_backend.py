@@ -23,10 +23,16 @@ as the local backends refuse it, before it is sent; a 401 or 403 (the ``api_key`
 is missing or wrong) -> ValueError saying so; a ``base_url`` that is not an
 http(s) URL with a host (:func:`~chunkcache.core.urls.server_root`), or an ``api_key`` that
 is not visible ASCII (:func:`check_api_key`) -> ValueError when the backend is made.
+
+The model's name (unless given) and its context window are asked from ``GET /v1/models``
+once, and again (one GET, before the error is raised) when the server refuses a prompt as
+over its window, or refuses the name it gave (a server restarted behind the same URL with
+another ``--max-model-len`` or model): what the wrappers read next is the server's now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import fields
@@ -40,6 +46,7 @@ import httpx
 from chunkcache.core.chunk_ids import check_unicode
 from chunkcache.core.errors import (
     BackendUnavailableError,
+    ChunkCacheError,
     EmptyPromptError,
     InvalidConversationIdError,
     InvalidTextError,
@@ -89,6 +96,7 @@ class HttpBackend:
             check_api_key(api_key, "api_key")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = root
+        self._given_model = model
         self._model = model
         self._context_window: int | None = None
         self._model_info_read = False  # the window may be unknown (null): asked once all the same
@@ -107,7 +115,8 @@ class HttpBackend:
 
     @property
     def context_window(self) -> int | None:
-        """The served model's context length, as ``/v1/models`` reports it."""
+        """The served model's context length, as ``/v1/models`` reports it: asked once,
+        and again after a refusal that says it changed (see the module docstring)."""
         if not self._model_info_read:
             self._load_model_info()
         return self._context_window
@@ -137,19 +146,42 @@ class HttpBackend:
     def _pieces(
         self, request: GenerationRequest, connection: StreamConnection
     ) -> Generator[GenerationChunk]:
+        """The local backends' pieces: the text the server sends with the finish reason
+        (held back for a stop string, or a character's last bytes) comes with the stats."""
         stats: GenerationStats | None = None
-        body = self._body(request)
-        with _Response(self._streams, "POST", "/v1/completions", body, connection) as response:
-            for event in completion_events(response.iter_lines(), _COMPLETIONS, _SERVER):
-                for choice in event.get("choices") or ():
-                    text = shaped(choice, _COMPLETIONS, _SERVER, text=str | None).get("text")
-                    if text:
-                        yield GenerationChunk(text)
-                if event.get("usage"):
-                    stats = _stats(event["usage"])
+        last = ""
+        for event in self._events(request, connection):
+            for item in event.get("choices") or ():
+                choice = shaped(
+                    item, _COMPLETIONS, _SERVER, text=str | None, finish_reason=str | None
+                )
+                text = choice.get("text") or ""
+                if choice.get("finish_reason") is not None:
+                    last += text
+                elif text:
+                    yield GenerationChunk(text)
+            if event.get("usage"):
+                stats = _stats(event["usage"])
         if stats is None:
             raise BackendUnavailableError("chunkcache serve ended the stream without usage")
-        yield GenerationChunk("", stats)
+        yield GenerationChunk(last, stats)
+
+    def _events(
+        self, request: GenerationRequest, connection: StreamConnection
+    ) -> Generator[dict[str, Any]]:
+        """The completion events the server streams for ``request``.  A refusal that says
+        the model info read before is stale makes it ask again, before it is raised."""
+        body = self._body(request)
+        try:
+            with _Response(self._streams, "POST", "/v1/completions", body, connection) as response:
+                yield from completion_events(response.iter_lines(), _COMPLETIONS, _SERVER)
+        except PromptTooLongError:
+            self._reload_model_info()
+            raise
+        except _ModelNotServed:
+            if self._given_model is None:  # the name the server gave before
+                self._reload_model_info()
+            raise
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
         """The completion request for ``request``; raises what the local backends raise for
@@ -186,9 +218,14 @@ class HttpBackend:
         if not models:
             raise BackendUnavailableError("chunkcache serve answered GET /v1/models with no model")
         model = shaped(models[0], "GET /v1/models", _SERVER, id=str, max_model_len=int | None)
-        self._model = self._model or model["id"]
+        self._model = self._given_model or model["id"]
         self._context_window = model.get("max_model_len")
         self._model_info_read = True
+
+    def _reload_model_info(self) -> None:
+        """Ask ``/v1/models`` again; a server that cannot tell now leaves what was known."""
+        with contextlib.suppress(ChunkCacheError, ValueError):
+            self._load_model_info()
 
     def _request(self, method: str, path: str, body: Any = None) -> _Response:
         return _Response(self._client, method, path, body)
@@ -219,6 +256,10 @@ def _split(prompt: str, segments: Sequence[Segment]) -> dict[str, Any]:
             for s in segments
         ]
     }
+
+
+class _ModelNotServed(ValueError):
+    """The server's 404 ``model_not_found``: it serves another model than the one named."""
 
 
 class _Response:
@@ -280,6 +321,8 @@ def _raise_for(response: httpx.Response) -> None:
     # Only the server's own word: its other 503 is a failed engine, a proxy's a dead server.
     if status == 503 and code == "shutting_down":
         raise ShuttingDownError(f"chunkcache serve is shutting down: {message}")
+    if status == 404 and code == "model_not_found":
+        raise _ModelNotServed(f"chunkcache serve refused the request ({status}): {message}")
     if status in (400, 404, 413):
         raise ValueError(f"chunkcache serve refused the request ({status}): {message}")
     if status in (401, 403):  # a retry, or a fallback as for a server that is down, cannot help
