@@ -11,6 +11,7 @@ continuous-batching one."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -119,15 +120,10 @@ def comparable(stats: GenerationStats) -> dict[str, Any]:
 
 
 def pieces_of(pieces: Sequence[GenerationChunk]) -> list[tuple[str, dict[str, Any] | None]]:
-    """A stream's pieces as they must agree: its texts, then its stats.
-
-    The text the local backend holds back to the end (for a stop string, or a character's
-    last bytes) comes with its stats; the server sends it as a piece of its own, then the
-    finish reason and the usage in events of their own, as OpenAI streams do, and the
-    client cannot tell a piece is the last before the next event: an empty piece carries
-    the stats.  The texts, piece by piece, are the same."""
-    split = [(p.text, None) for p in pieces if p.text]
-    return split + [("", comparable(p.stats)) for p in pieces if p.stats is not None]
+    """A stream's pieces as they must agree: each one's text, and the last one's stats (the
+    text held back to the end, for a stop string or a character's last bytes, comes with
+    them on both paths)."""
+    return [(p.text, None if p.stats is None else comparable(p.stats)) for p in pieces]
 
 
 def outcome(run: Callable[[], Any]) -> Any:
@@ -274,11 +270,18 @@ class Probe:
         self.agree(run)
 
     def edge(self) -> None:
+        """One of :meth:`edges`."""
+        edges = self.edges()
+        name = self.rng.choice(sorted(edges))
+        self.kinds[-1] = f"edge: {name}"
+        self.agree(lambda side: whole(side.backend, edges[name]()))
+
+    def edges(self) -> dict[str, Callable[[], GenerationRequest]]:
         """Bad input, which both paths refuse alike, and prompts at the window's edge."""
         cache, rng = self.paths.cache, self.rng
         long_prompt = sentence(rng, 1500)  # more tokens than the window holds
         near = sentence(rng, 620)  # about 960 tokens: a few dozen short of the window
-        edges: dict[str, Callable[[], GenerationRequest]] = {
+        return {
             "fit to the window": lambda: build_request(
                 near, cache, max_tokens=256, fit_window=True
             ),
@@ -294,10 +297,19 @@ class Probe:
             "negative ratio": lambda: build_request("Why?", cache, recompute_ratio=-0.1),
             "lone surrogate": lambda: build_request("Why \ud83d?", cache, max_tokens=2),
             "max_tokens 0": lambda: build_request("Why?", cache, max_tokens=0),
+            "17 stop strings": lambda: build_request(
+                "Why?", cache, max_tokens=2, stop=[f"s{i}" for i in range(17)]
+            ),
+            "stop string with a lone surrogate": lambda: build_request(
+                "Why?", cache, max_tokens=2, stop=["half \ud83d"]
+            ),
+            "empty conversation id": lambda: GenerationRequest(
+                [TextSegment("Why?")], conversation_id=""
+            ),
+            "malformed chunk id": lambda: GenerationRequest(
+                [TextSegment("Q: "), ChunkSegment("doc 7", sentence(rng, 12))]
+            ),
         }
-        name = rng.choice(sorted(edges))
-        self.kinds[-1] = f"edge: {name}"
-        self.agree(lambda side: whole(side.backend, edges[name]()))
 
     # -- sending --
 
@@ -336,16 +348,8 @@ def message_of(message: BaseMessage) -> dict[str, Any]:
 
 
 def streamed_messages(chunks: Iterator[BaseMessage]) -> list[dict[str, Any]]:
-    """The chunks of a streamed answer as they must agree: the text of the last (with the
-    usage and metadata) as a chunk of its own, as :func:`pieces_of` splits the pieces."""
-    messages = []
-    for chunk in chunks:
-        message = message_of(chunk)
-        if message["content"] and (message["usage"] or message["metadata"]):
-            messages.append({"content": message["content"], "usage": None, "metadata": {}})
-            message["content"] = ""
-        messages.append(message)
-    return messages
+    """The chunks of a streamed answer as they must agree: each one as it came."""
+    return [message_of(chunk) for chunk in chunks]
 
 
 @pytest.mark.slow
@@ -369,6 +373,19 @@ def test_local_and_http_agree_on_random_requests(paths: Paths) -> None:
         "langchain",
         "edge",
     }
+
+
+@pytest.mark.slow
+def test_local_and_http_agree_on_every_edge(paths: Paths) -> None:
+    """Each edge the random steps draw from, on both paths."""
+    probe = Probe(paths, random.Random(SEED), chunks=[])
+    for name, build in probe.edges().items():
+        probe.kinds.append(f"edge: {name}")
+        probe.agree(functools.partial(run_whole, build))
+
+
+def run_whole(build: Callable[[], GenerationRequest], side: Side) -> list[Any]:
+    return whole(side.backend, build())
 
 
 # --- each difference the probe found, pinned on a fake backend ------------------------------

@@ -1,10 +1,12 @@
 """Server-sent events for streamed completions, framed as OpenAI streams them.
 
 Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]``.  The text
-arrives in chunks as it is decoded, then a chunk with ``finish_reason``, then (with
-``stream_options.include_usage``, when the others carry ``"usage": null``) a chunk with no
-choices and the usage.  A failure after
-the response started is sent as an ``{"error": ...}`` event and ends the stream.
+arrives in chunks as it is decoded, then a chunk with ``finish_reason`` and the text the
+backend held back to the end (for a stop string, or a character's last bytes; often none),
+then (with ``stream_options.include_usage``, when the others carry ``"usage": null``) a chunk
+with no choices and the usage.  So each chunk is one piece of the backend's stream, and a
+client tells the last one (the one with the stats) as it comes.  A failure after the
+response started is sent as an ``{"error": ...}`` event and ends the stream.
 
 A stream whose client stops taking it is cut after ``SEND_STALL_S``: uvicorn's writes have
 no timeout, so a client that stops reading without closing its connection would hold its
@@ -52,13 +54,14 @@ async def sse_events(
     first = True
     try:
         async for piece in pieces:
-            if piece.text or first:
-                yield frame({**reply.chunk(piece.text, first=first), **blank})
-                first = False
             if piece.stats is not None:
-                yield frame({**reply.chunk("", piece.stats.finish_reason), **blank})
+                last = reply.chunk(piece.text, piece.stats.finish_reason, first=first)
+                yield frame({**last, **blank})
                 if include_usage:
                     yield frame(reply.usage_chunk(piece.stats))
+            elif piece.text or first:
+                yield frame({**reply.chunk(piece.text, first=first), **blank})
+            first = False
         yield DONE
     except Exception as error:
         failure = serve_error(error)
