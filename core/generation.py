@@ -13,7 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
-from chunkcache.core.errors import PromptTooLongError
+from chunkcache.core.chunk_ids import check_unicode, validate_chunk_id
+from chunkcache.core.errors import InvalidTextError, PromptTooLongError
+from chunkcache.core.ledger import check_conversation_id
 from chunkcache.core.segmenter import ChunkSegment, Segment, TextSegment
 
 Policy = Literal["full", "prefix", "reuse", "cacheblend", "cachecraft"]
@@ -23,6 +25,10 @@ DEFAULT_RECOMPUTE_RATIO = 0.15  # CacheBlend §4.3 / §7: 15% keeps quality at f
 # The seeds torch.Generator.manual_seed takes: OpenAI's signed 64-bit ones, and the unsigned
 # ones SamplingParams takes.  Torch seeds a negative one as seed + 2**64.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Every stop string is searched for in the whole answer at every token, on the engine's
+# thread: 200,000 of them (2.8 MB) cost 0.16 s a token and stalled every request in a batch.
+# OpenAI takes 4; this is lenient with clients written for other servers.
+MAX_STOP_STRINGS = 16
 
 
 def check_policy(policy: str) -> Policy:
@@ -43,6 +49,10 @@ class SamplingParams:
     ``http`` backend has its server apply it); a prompt that fills the window is refused
     either way.  Without it, a prompt plus ``max_tokens`` over the window is refused
     (:func:`tokens_to_generate`).
+
+    ``stop``: at most :data:`MAX_STOP_STRINGS` strings (ValueError), each valid Unicode
+    (:class:`~chunkcache.core.errors.InvalidTextError` for a lone surrogate, which no decoded
+    text holds); an empty one is ignored.  Every backend takes what this takes.
     """
 
     max_tokens: int = 256
@@ -62,9 +72,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        strings = isinstance(self.stop, tuple | list) and all(isinstance(s, str) for s in self.stop)
-        if not strings:
-            raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
+        _check_stop(self.stop)
+
+
+def _check_stop(stop: object) -> None:
+    if not isinstance(stop, tuple | list) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a sequence of strings, got {stop!r:.200}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, string in enumerate(stop):
+        try:
+            check_unicode(string)
+        except InvalidTextError as error:
+            raise InvalidTextError(f"stop string {i}: {error}") from None
 
 
 def openai_sampling(temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
@@ -139,7 +159,13 @@ def _is_finite_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt, as segments, and how to run it."""
+    """One prompt, as segments, and how to run it.
+
+    Checked as every backend checks it: a ``conversation_id`` that is not 1-256 characters
+    (an int becomes its string) -> :class:`~chunkcache.core.errors.InvalidConversationIdError`,
+    a chunk id that is not 1-128 characters of ``[A-Za-z0-9._:-]`` ->
+    :class:`~chunkcache.core.errors.InvalidChunkError`.
+    """
 
     segments: Sequence[Segment]
     conversation_id: str | None = None
@@ -155,6 +181,12 @@ class GenerationRequest:
             raise TypeError(f"segments must be TextSegment or ChunkSegment, got {found!r:.80}")
         if not _is_real(self.recompute_ratio) or not 0 <= self.recompute_ratio <= 1:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if self.conversation_id is not None:
+            # frozen: the checked id replaces the given one (an int's string)
+            object.__setattr__(self, "conversation_id", check_conversation_id(self.conversation_id))
+        for segment in self.segments:
+            if isinstance(segment, ChunkSegment):
+                validate_chunk_id(segment.chunk_id)
 
 
 @dataclass

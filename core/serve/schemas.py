@@ -39,13 +39,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chunkcache.core.chunk_ids import check_unicode, chunk_id
-from chunkcache.core.generation import SEED_MAX, SEED_MIN, Policy, openai_sampling
+from chunkcache.core.generation import (
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+    Policy,
+    openai_sampling,
+)
 
 MAX_CHUNKS_PER_REQUEST = 10_000
-# Every stop string is searched for in the whole answer at every token, on the engine's
-# thread: 200,000 of them (2.8 MB) cost 0.16 s a token and stalled every request in the
-# batch.  OpenAI takes 4; this is lenient with clients written for other servers.
-MAX_STOP_STRINGS = 16
 # JSON may escape a lone surrogate ("\\ud83d"); no tokenizer reads one: a 400 naming it.
 Text = Annotated[str, AfterValidator(check_unicode)]
 StopString = Annotated[str, AfterValidator(check_unicode)]
