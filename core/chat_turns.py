@@ -8,6 +8,13 @@ holds can be read back from the history itself (after trimming, a failed turn, o
 save and reload) and the conversation's ledger reset to exactly those (CRAFT §4.3:
 ``drop`` is safe only for chunks still in the prompt).  :func:`held_chunk_ids` also
 checks that each message still holds its chunks' text, for histories an app edits.
+
+Turns of one conversation may run at once (two tabs, a retry while the first try still
+streams).  A trim rewrites a saved history (clear, then add what is kept), so a turn saved
+in between would be lost, and two trims at once could add the kept turns twice:
+:class:`~chunkcache.core.session_locks.SessionLocks` makes those steps of one session take
+turns within a process, and
+:func:`retrimmed` applies a trim decided on an earlier read to the history as it is now.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class ChatMessageLike(Protocol):
 
 
 M = TypeVar("M", bound=ChatMessageLike)
+T = TypeVar("T")
 
 
 def recorded_chunk_ids(messages: Sequence[M], is_user: Callable[[M], bool]) -> list[str]:
@@ -84,3 +92,15 @@ def halved(messages: list[M], is_user: Callable[[M], bool]) -> list[M]:
     a single turn), as :func:`trimmed` trims: what goes when a prompt outgrows its window."""
     turns = sum(map(is_user, messages))
     return trimmed(messages, turns - 1, is_user) if turns > 1 else []
+
+
+def retrimmed(current: list[T], began: list[T], kept: list[T]) -> list[T]:
+    """``current`` (a history read now) trimmed as ``began`` (the same history read earlier)
+    was trimmed to ``kept`` (a suffix of it): less the messages of ``began`` before ``kept``
+    that are still at its head.  Turns saved since stay; what another trim dropped meanwhile
+    is not dropped again.  A history no longer starting with what is left of ``began``
+    (cleared or rewritten meanwhile) is given back as it is."""
+    dropped = len(began) - len(kept)
+    # The first ``start`` messages of ``began`` left the history since (another trim).
+    start = next(s for s in range(len(began) + 1) if current[: len(began) - s] == began[s:])
+    return current[max(dropped - start, 0) :]

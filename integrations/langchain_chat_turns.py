@@ -6,12 +6,15 @@ caller build the chain's input from it, runs the chain and, once it has answered
 read to its end), saves the turn's user message and the answer.  :func:`prompt_budget` tells
 whether a chain's input makes a prompt that fits its ``ChunkCacheLLM``'s context window.
 :mod:`chunkcache.integrations.langchain_history` builds CRAFT §4.3's multi-turn layout on it.
+A turn that names its session's lock (:data:`HISTORY_LOCKS`) is saved holding it, so the
+save never lands in the middle of a trim of that session's history in this process.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +34,7 @@ from langchain_core.runnables.base import RunnableBindingBase
 from langchain_core.runnables.utils import get_unique_config_specs
 
 from chunkcache.core.prompting import counts_prompts, fits_context_window
+from chunkcache.core.session_locks import SessionLock, SessionLocks
 from chunkcache.integrations.langchain_llm import ChunkCacheLLM
 
 
@@ -73,6 +77,9 @@ class InMemoryChatHistory:
     async def aclear(self) -> None:
         self.clear()
 
+
+# The locks of the sessions whose saved history turns of this process read, trim or save.
+HISTORY_LOCKS = SessionLocks()
 
 SESSION_ID = ConfigurableFieldSpec(
     id="session_id",
@@ -168,20 +175,32 @@ def _unbound(runnable: Runnable[Any, Any]) -> tuple[Runnable[Any, Any], dict[str
 
 @dataclass
 class Turn:
-    """One turn, ready for the chain: where it is saved, the chain's input, and this
-    turn's user message."""
+    """One turn, ready for the chain: where it is saved, the chain's input, this turn's
+    user message, and the lock its session's history is saved under (None: none, for a
+    history nothing rewrites)."""
 
     history: SessionHistory
     chain_input: dict[str, Any]
     asked: list[BaseMessage]
+    lock: SessionLock | None = None
+
+    def save(self, messages: list[BaseMessage]) -> None:
+        """Add ``messages`` to the history, holding its session's lock."""
+        with nullcontext() if self.lock is None else self.lock.hold():
+            self.history.add_messages(messages)
+
+    async def asave(self, messages: list[BaseMessage]) -> None:
+        async with nullcontext() if self.lock is None else self.lock.ahold():
+            await self.history.aadd_messages(messages)
 
 
 class ChatTurns(Runnable[dict[str, Any], Any]):
     """``chain`` run as turns of saved conversations.  ``start`` loads the session's
     history and builds the chain's input; once the chain has answered (a stream: read to
-    its end), this turn's user message and the answer are added to the history.  A chain
-    that raises, or a stream left unfinished, saves nothing, as with
-    ``RunnableWithMessageHistory``.  ``batch``/``abatch`` are Runnable's: a turn per input.
+    its end), this turn's user message and the answer are added to the history (holding the
+    turn's session lock, if it names one).  A chain that raises, or a stream left
+    unfinished, saves nothing, as with ``RunnableWithMessageHistory``.
+    ``batch``/``abatch`` are Runnable's: a turn per input.
     """
 
     def __init__(
@@ -236,7 +255,7 @@ class ChatTurns(Runnable[dict[str, Any], Any]):
     ) -> Any:
         turn = self._start(inputs, config)
         answer = self.chain.invoke(turn.chain_input, config)
-        turn.history.add_messages(self._saved(turn, answer))
+        turn.save(self._saved(turn, answer))
         return answer
 
     async def _ainvoke(
@@ -247,7 +266,7 @@ class ChatTurns(Runnable[dict[str, Any], Any]):
     ) -> Any:
         turn = await self._astart(inputs, config)
         answer = await self.chain.ainvoke(turn.chain_input, config)
-        await turn.history.aadd_messages(self._saved(turn, answer))
+        await turn.asave(self._saved(turn, answer))
         return answer
 
     def _stream(
@@ -261,7 +280,7 @@ class ChatTurns(Runnable[dict[str, Any], Any]):
         for chunk in self.chain.stream(turn.chain_input, config):
             yield chunk
             answer = _added(answer, chunk)
-        turn.history.add_messages(self._saved(turn, answer))
+        turn.save(self._saved(turn, answer))
 
     async def _astream(
         self,
@@ -274,7 +293,7 @@ class ChatTurns(Runnable[dict[str, Any], Any]):
         async for chunk in self.chain.astream(turn.chain_input, config):
             yield chunk
             answer = _added(answer, chunk)
-        await turn.history.aadd_messages(self._saved(turn, answer))
+        await turn.asave(self._saved(turn, answer))
 
     def _saved(self, turn: Turn, answer: Any) -> list[BaseMessage]:
         """The messages a turn adds to its history: its user message, then the answer."""

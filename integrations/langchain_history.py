@@ -26,8 +26,17 @@ is also trimmed, the same way, whenever the prompt would not fit the context win
 Turns of one conversation may run at once (two tabs, a turn retried while the first try
 still streams): each one dedupes against the chunks of the history it loaded, so it sends
 again a chunk only another running turn holds, and is saved once it has answered, after
-whatever was saved meanwhile.  A turn that trims the history rewrites it (clear, then add),
-which a turn of the same conversation saved at that moment may not survive.
+whatever was saved meanwhile.  A trim rewrites the saved history (clear, then add what is
+kept).  Within a process, a turn's reading of the history, a trim and a finished turn's
+save take turns per session (one lock per session, held for those steps only, never while
+the retriever or the chain runs; an async turn awaits it without blocking its event loop,
+and a sync turn on the thread of a loop whose task holds it raises rather than hang),
+and a trim made to fit the window is applied to the history as it is by then: no turn saved
+meanwhile is lost, none is saved twice, no turn reads a history half rewritten.  Processes
+sharing one history store (Redis, SQL) are not ordered by that lock: there a turn another
+process saves during a trim may be lost, two trims at once may leave the kept turns in the
+history twice, and a turn may read it half rewritten.  Send the turns of a session to one
+process (sticky sessions) when they may overlap.
 
 >>> chain = with_chunk_history(  # doctest: +SKIP
 ...     chunk_chat_prompt("Answer from the context.") | llm,
@@ -74,11 +83,14 @@ from chunkcache.core.chat_turns import (
     halved,
     held_chunk_ids,
     recorded_chunk_ids,
+    retrimmed,
     trimmed,
 )
 from chunkcache.core.retrieval import replanning
+from chunkcache.core.session_locks import SessionLock
 from chunkcache.integrations.langchain import ChunkCacheRetriever
 from chunkcache.integrations.langchain_chat_turns import (
+    HISTORY_LOCKS,
     SESSION_ID,
     ChatTurns,
     InMemoryChatHistory,
@@ -223,8 +235,10 @@ class _TurnLayout:
         history: SessionHistory,
         earlier: list[BaseMessage],
         documents: list[Document],
+        lock: SessionLock,
     ) -> Turn:
-        """The turn asking ``inputs``' question over ``documents``, after ``earlier``."""
+        """The turn asking ``inputs``' question over ``documents``, after ``earlier``, saved
+        to ``history`` under ``lock``."""
         question = self.question_in(inputs)
         text = format_turn(question, documents, self.turn_template, self.document_separator)
         chunk_ids = [doc.metadata["chunk_id"] for doc in documents if "chunk_id" in doc.metadata]
@@ -232,13 +246,14 @@ class _TurnLayout:
             HumanMessage(content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids})
         ]
         chain_input = {**inputs, self.turn_key: asked, self.history_key: earlier}
-        return Turn(history, chain_input, asked)
+        return Turn(history, chain_input, asked, lock)
 
 
 class _ChunkHistoryTurns:
     """How :func:`with_chunk_history` starts a turn: load and trim the history, sync the
     retriever's ledger to it, retrieve, and drop the oldest turns until the prompt fits.
-    ``start`` and ``astart`` are the same steps, the second awaiting the I/O."""
+    ``start`` and ``astart`` are the same steps, the second awaiting the I/O.  The history
+    is read and rewritten holding its session's lock (see the module docstring)."""
 
     def __init__(
         self,
@@ -263,11 +278,11 @@ class _ChunkHistoryTurns:
     def start(self, inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         """The turn for ``inputs``, its history trimmed to fit (and saved so)."""
         question = self.layout.question_in(inputs)
-        history = self.history_of(config)
-        began = earlier = self.prepare(history, config)
+        history, lock = self.history_of(config), self.lock_of(config)
+        began = earlier = self.prepare(history, lock, config)
         with self.deduped_against(earlier, config):
             documents = self.retriever.invoke(question, config, **self.retrieval_kwargs(config))
-        turn = self.layout.turn_of(inputs, history, earlier, documents)
+        turn = self.layout.turn_of(inputs, history, earlier, documents, lock)
         fitted = self.fits(turn)
         while not fitted and earlier:
             earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
@@ -276,10 +291,10 @@ class _ChunkHistoryTurns:
                 with replanning(), self.deduped_against(earlier, config):
                     kwargs = self.retrieval_kwargs(config)
                     documents = self.retriever.invoke(question, config, **kwargs)
-            turn = self.layout.turn_of(inputs, history, earlier, documents)
+            turn = self.layout.turn_of(inputs, history, earlier, documents, lock)
             fitted = self.fits(turn)
         if earlier is not began and fitted:
-            _save(history, list(earlier))  # a copy, as prepare's
+            self.save_trim(history, lock, began, earlier)
         elif earlier is not began:  # the backend refuses the prompt: the turn changes nothing
             self.sync_ledger(began, config)
         return turn
@@ -287,12 +302,12 @@ class _ChunkHistoryTurns:
     async def astart(self, inputs: dict[str, Any], config: RunnableConfig) -> Turn:
         """:meth:`start`, awaiting the history, the retriever and the count."""
         question = self.layout.question_in(inputs)
-        history = self.history_of(config)
-        began = earlier = await self.aprepare(history, config)
+        history, lock = self.history_of(config), self.lock_of(config)
+        began = earlier = await self.aprepare(history, lock, config)
         with self.deduped_against(earlier, config):
             kwargs = self.retrieval_kwargs(config)
             documents = await self.retriever.ainvoke(question, config, **kwargs)
-        turn = self.layout.turn_of(inputs, history, earlier, documents)
+        turn = self.layout.turn_of(inputs, history, earlier, documents, lock)
         fitted = await asyncio.to_thread(self.fits, turn)
         while not fitted and earlier:
             earlier, retrieve_again = self.drop_oldest_turns(earlier, config)
@@ -300,10 +315,10 @@ class _ChunkHistoryTurns:
                 with replanning(), self.deduped_against(earlier, config):
                     kwargs = self.retrieval_kwargs(config)
                     documents = await self.retriever.ainvoke(question, config, **kwargs)
-            turn = self.layout.turn_of(inputs, history, earlier, documents)
+            turn = self.layout.turn_of(inputs, history, earlier, documents, lock)
             fitted = await asyncio.to_thread(self.fits, turn)
         if earlier is not began and fitted:
-            await _asave(history, list(earlier))
+            await self.asave_trim(history, lock, began, earlier)
         elif earlier is not began:
             self.sync_ledger(began, config)
         return turn
@@ -316,6 +331,11 @@ class _ChunkHistoryTurns:
             return None
         values = [str(configurable[key]) for key in self.history_keys]
         return conversation_key(values[0] if len(values) == 1 else json.dumps(values))
+
+    def lock_of(self, config: RunnableConfig) -> SessionLock:
+        """The lock of the turn's session, keyed by its conversation (one lock for the single
+        history of a ``get_session_history`` without parameters)."""
+        return HISTORY_LOCKS.lock(self.conversation_of(config))
 
     def chain_config(self, config: RunnableConfig) -> RunnableConfig:
         """What a turn adds to the chain's config: its conversation, for a ``ChunkCacheLLM``
@@ -357,22 +377,56 @@ class _ChunkHistoryTurns:
         with cache.ledger.turn(conversation_id, _held_in(messages, cache)):
             yield
 
-    def prepare(self, history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
+    def prepare(
+        self, history: SessionHistory, lock: SessionLock, config: RunnableConfig
+    ) -> list[BaseMessage]:
         """The earlier messages this turn's prompt carries, trimmed (in the history too)."""
-        messages = history.messages
-        kept = trimmed(messages, self.max_history_turns, _is_user)
-        if len(kept) < len(messages):
-            _save(history, kept)
+        with lock.hold():
+            messages = list(history.messages)  # a copy: saving a turn must not change it
+            kept = trimmed(messages, self.max_history_turns, _is_user)
+            if len(kept) < len(messages):
+                _save(history, kept)
         self.sync_ledger(kept, config)
-        return list(kept)  # a copy: saving this turn must not change the chain's input
+        return kept
 
-    async def aprepare(self, history: SessionHistory, config: RunnableConfig) -> list[BaseMessage]:
-        messages = await history.aget_messages()
-        kept = trimmed(messages, self.max_history_turns, _is_user)
-        if len(kept) < len(messages):
-            await _asave(history, kept)
+    async def aprepare(
+        self, history: SessionHistory, lock: SessionLock, config: RunnableConfig
+    ) -> list[BaseMessage]:
+        async with lock.ahold():
+            messages = list(await history.aget_messages())
+            kept = trimmed(messages, self.max_history_turns, _is_user)
+            if len(kept) < len(messages):
+                await _asave(history, kept)
         self.sync_ledger(kept, config)
-        return list(kept)
+        return kept
+
+    def save_trim(
+        self,
+        history: SessionHistory,
+        lock: SessionLock,
+        began: list[BaseMessage],
+        kept: list[BaseMessage],
+    ) -> None:
+        """Trim the history as this turn trimmed ``began`` (what it read) to ``kept``, as
+        the history is now: turns saved since stay, what another trim dropped stays out."""
+        with lock.hold():
+            messages = list(history.messages)
+            now = retrimmed(messages, began, kept)
+            if len(now) < len(messages):
+                _save(history, now)
+
+    async def asave_trim(
+        self,
+        history: SessionHistory,
+        lock: SessionLock,
+        began: list[BaseMessage],
+        kept: list[BaseMessage],
+    ) -> None:
+        async with lock.ahold():
+            messages = list(await history.aget_messages())
+            now = retrimmed(messages, began, kept)
+            if len(now) < len(messages):
+                await _asave(history, now)
 
     def fits(self, turn: Turn) -> bool:
         """Whether the chain's prompt fits the context window (True when not counted)."""
@@ -397,14 +451,16 @@ def _held_in(messages: Sequence[BaseMessage], cache: ChunkCache) -> list[str]:
 
 
 def _save(history: SessionHistory, messages: list[BaseMessage]) -> None:
-    """Make ``messages`` the session's whole history."""
+    """Make ``messages`` the session's whole history (not atomic in the store: hold the
+    session's lock).  A copy is saved, so a history keeping the list it is given never
+    changes a list a turn holds."""
     history.clear()
-    history.add_messages(messages)
+    history.add_messages(list(messages))
 
 
 async def _asave(history: SessionHistory, messages: list[BaseMessage]) -> None:
     await history.aclear()
-    await history.aadd_messages(messages)
+    await history.aadd_messages(list(messages))
 
 
 def _chunk_cache_retriever(retriever: Runnable[Any, Any]) -> ChunkCacheRetriever | None:

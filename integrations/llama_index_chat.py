@@ -36,9 +36,11 @@ keeps each prompt inside the model's context window: a prompt that, with the ans
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -62,6 +64,7 @@ from chunkcache.core.chat_turns import (
     halved,
     held_chunk_ids,
     recorded_chunk_ids,
+    retrimmed,
     trimmed,
 )
 from chunkcache.core.chunk_ids import CHUNK_ID_METADATA_KEY
@@ -93,6 +96,14 @@ CHAT_FIT_HINT = (
 )
 
 Prompt = list[ChatMessage]
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A turn begun: how many resets came before it, and the history it began with."""
+
+    resets: int
+    history: list[ChatMessage]
 
 
 class ChunkCacheChatEngine(BaseChatEngine):
@@ -129,7 +140,15 @@ class ChunkCacheChatEngine(BaseChatEngine):
     this process (``http``): there the caller keeps the conversation within the window
     (``max_history_turns``).
 
-    One turn at a time: consume a stream before starting the next turn.
+    Turns may run at once (two tabs, a retry while the first try still streams; threads or
+    tasks): each builds its prompt on the history it began with and dedupes against the
+    chunks that history holds, so it sends again a chunk only another running turn holds.
+    A turn is added to the history once it has answered (a stream: read to its end), after
+    whatever was added meanwhile, unless :meth:`reset` came since it began; a trim it made
+    to fit the window is applied to the history as it is by then.  The history and the
+    ledger are updated under the engine's lock, held for those updates only.  Engines of one
+    conversation (an app building one per request, with ``chat_history=``) share its ledger,
+    not their histories: which turns the app keeps is up to the store it saves them to.
     """
 
     def __init__(
@@ -158,8 +177,11 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self._context_template = context_template
         self._max_history_turns = max_history_turns
         self._history: list[ChatMessage] = []
-        # Bumped by every turn start and reset; a turn commits only if it is still current.
-        self._turn_serial = 0
+        # A turn begun before a reset is not added to the conversation that follows it.
+        self._resets = 0
+        # Held while the history, and the ledger synced to it, are read and replaced; never
+        # across a call to the retriever or the LLM, so no turn waits on another's I/O.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_defaults(
@@ -212,16 +234,18 @@ class ChunkCacheChatEngine(BaseChatEngine):
         return list(self._history)
 
     def reset(self) -> None:
-        """Forget the history and the conversation's chunks in the ledger."""
-        self._history = []
-        self._retriever.cache.ledger.forget(self._conversation_id)
-        self._turn_serial += 1
+        """Forget the history and the conversation's chunks in the ledger (turns still
+        running are not added to the new conversation)."""
+        with self._lock:
+            self._history = []
+            self._retriever.cache.ledger.forget(self._conversation_id)
+            self._resets += 1
 
     def chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
-        nodes, user, prompt = self._fitted_turn(message)
+        nodes, user, prompt = self._fitted_turn(turn, message)
         with _chat_refusal():
             answer = self._llm.chat(prompt).message
         self._commit(turn, user, answer)
@@ -231,7 +255,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = self._begin(chat_history)
-        nodes, user, prompt = await self._afitted_turn(message)
+        nodes, user, prompt = await self._afitted_turn(turn, message)
         with _chat_refusal():
             answer = (await self._llm.achat(prompt)).message
         self._commit(turn, user, answer)
@@ -241,7 +265,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
-        nodes, user, prompt = self._fitted_turn(message)
+        nodes, user, prompt = self._fitted_turn(turn, message)
         with _chat_refusal():
             stream = self._llm.stream_chat(prompt)
 
@@ -261,7 +285,7 @@ class ChunkCacheChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         turn = self._begin(chat_history)
-        nodes, user, prompt = await self._afitted_turn(message)
+        nodes, user, prompt = await self._afitted_turn(turn, message)
         with _chat_refusal():
             stream = await self._llm.astream_chat(prompt)
 
@@ -277,44 +301,53 @@ class ChunkCacheChatEngine(BaseChatEngine):
             achat_stream=commit_at_end(), source_nodes=nodes, is_writing_to_memory=False
         )
 
-    def _begin(self, chat_history: list[ChatMessage] | None) -> int:
+    def _begin(self, chat_history: list[ChatMessage] | None) -> _Turn:
         """Start a turn: adopt a caller's history (if given), trim it, sync the ledger."""
-        self._settle(self._history if chat_history is None else list(chat_history))
-        self._turn_serial += 1
-        return self._turn_serial
+        with self._lock:
+            self._settle(self._history if chat_history is None else list(chat_history))
+            return _Turn(self._resets, self._history)
 
-    def _fitted_turn(self, message: str) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
+    def _fitted_turn(
+        self, turn: _Turn, message: str
+    ) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
         """This turn's nodes, user message and prompt, the history cut until the prompt fits
         the context window (see the class docstring)."""
-        began = self._history
-        nodes = self._retriever.retrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        earlier = turn.history
+        with self._deduped_against(earlier):
+            nodes = self._retriever.retrieve(message)
+        user, prompt = self._prompt(message, nodes, earlier)
         fitted = self._fits(prompt)
-        while not fitted and self._history:
-            if self._drop_oldest_turns():
-                with replanning():  # this turn's request is counted already
+        while not fitted and earlier:
+            earlier, retrieve_again = self._without_oldest_turns(earlier)
+            if retrieve_again:
+                # this turn's request is counted already
+                with replanning(), self._deduped_against(earlier):
                     nodes = self._retriever.retrieve(message)
-            user, prompt = self._prompt(message, nodes)
+            user, prompt = self._prompt(message, nodes, earlier)
             fitted = self._fits(prompt)
-        if not fitted and self._history is not began:
-            self._settle(began)  # the backend refuses the prompt: the turn changes nothing
+        if earlier is not turn.history:
+            self._end_trim(turn, earlier, fitted)
         return nodes, user, prompt
 
-    async def _afitted_turn(self, message: str) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
+    async def _afitted_turn(
+        self, turn: _Turn, message: str
+    ) -> tuple[list[NodeWithScore], ChatMessage, Prompt]:
         """:meth:`_fitted_turn` for async turns; counting (which may load the model) runs in
         a worker thread."""
-        began = self._history
-        nodes = await self._retriever.aretrieve(message)
-        user, prompt = self._prompt(message, nodes)
+        earlier = turn.history
+        with self._deduped_against(earlier):
+            nodes = await self._retriever.aretrieve(message)
+        user, prompt = self._prompt(message, nodes, earlier)
         fitted = await asyncio.to_thread(self._fits, prompt)
-        while not fitted and self._history:
-            if self._drop_oldest_turns():
-                with replanning():
+        while not fitted and earlier:
+            earlier, retrieve_again = self._without_oldest_turns(earlier)
+            if retrieve_again:
+                with replanning(), self._deduped_against(earlier):
                     nodes = await self._retriever.aretrieve(message)
-            user, prompt = self._prompt(message, nodes)
+            user, prompt = self._prompt(message, nodes, earlier)
             fitted = await asyncio.to_thread(self._fits, prompt)
-        if not fitted and self._history is not began:
-            self._settle(began)
+        if earlier is not turn.history:
+            self._end_trim(turn, earlier, fitted)
         return nodes, user, prompt
 
     def _fits(self, prompt: Prompt) -> bool:
@@ -327,17 +360,26 @@ class ChunkCacheChatEngine(BaseChatEngine):
         request = llm._request(llm._chat_prompt(prompt), {})
         return fits_context_window(llm.cache.backend, request)
 
-    def _drop_oldest_turns(self) -> bool:
-        """Drop the older half of the history's turns (a single turn: it), as
-        ``max_history_turns`` trims; True when the retriever must run again: it drops
+    def _without_oldest_turns(self, history: list[ChatMessage]) -> tuple[list[ChatMessage], bool]:
+        """``history`` less its older half of turns (a single turn: it), as
+        ``max_history_turns`` trims; and whether the retriever must run again: it drops
         repeats, and chunks it may have left out of this turn left the prompt."""
-        before = set(recorded_chunk_ids(self._history, _is_user))
-        self._settle(halved(self._history, _is_user))
-        after = set(recorded_chunk_ids(self._history, _is_user))
-        return self._retriever.dedupe == "drop" and not before <= after
+        kept = halved(history, _is_user)
+        before = set(recorded_chunk_ids(history, _is_user))
+        after = set(recorded_chunk_ids(kept, _is_user))
+        return kept, self._retriever.dedupe == "drop" and not before <= after
 
-    def _prompt(self, message: str, nodes: list[NodeWithScore]) -> tuple[ChatMessage, Prompt]:
-        """This turn's user message, and the whole prompt ending with it."""
+    def _deduped_against(self, history: list[ChatMessage]) -> AbstractContextManager[None]:
+        """The retriever, called inside, dedupes this turn against the chunks ``history``
+        (what its prompt carries) holds, not against the ledger: another turn running at
+        once records there chunks its own prompt holds, this one's not."""
+        held = self._held_in(history)
+        return self._retriever.cache.ledger.turn(self._conversation_id, held)
+
+    def _prompt(
+        self, message: str, nodes: list[NodeWithScore], history: list[ChatMessage]
+    ) -> tuple[ChatMessage, Prompt]:
+        """This turn's user message, and the whole prompt: ``history``, then it."""
         # A node with media alone (an image) renders as no text: this prompt is text only.
         contents = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
         if any(contents):
@@ -350,21 +392,36 @@ class ChunkCacheChatEngine(BaseChatEngine):
         user = ChatMessage(
             role=MessageRole.USER, content=text, additional_kwargs={CHUNK_IDS_KEY: chunk_ids}
         )
-        history = [_for_llm(m) for m in self._history]
-        return user, [self._system_message, *history, _for_llm(user)]
+        earlier = [_for_llm(m) for m in history]
+        return user, [self._system_message, *earlier, _for_llm(user)]
 
-    def _commit(self, turn: int, user: ChatMessage, answer: ChatMessage) -> None:
-        """Append a finished turn (unless a reset or a later turn came first), then trim."""
-        if turn == self._turn_serial:
-            self._settle([*self._history, user, answer])
+    def _commit(self, turn: _Turn, user: ChatMessage, answer: ChatMessage) -> None:
+        """Add a finished turn after whatever was added meanwhile (unless a reset came
+        first), then trim."""
+        with self._lock:
+            if turn.resets == self._resets:
+                self._settle([*self._history, user, answer])
+
+    def _end_trim(self, turn: _Turn, kept: list[ChatMessage], fitted: bool) -> None:
+        """Trim the history as ``turn`` trimmed the one it began with to ``kept``, as the
+        history is now (turns added since stay), unless a reset came first.  An unfitted
+        prompt, which the backend refuses, changes nothing: the ledger is synced back to
+        the history (its retrievals recorded chunks there)."""
+        with self._lock:
+            if turn.resets == self._resets:
+                history = self._history
+                self._settle(retrimmed(history, turn.history, kept) if fitted else history)
 
     def _settle(self, history: list[ChatMessage]) -> None:
         """Make ``history``, trimmed, the engine's, and the ledger exactly its chunks (those
-        a user message recorded and still holds: a history passed in may have been edited)."""
+        a user message recorded and still holds: a history passed in may have been edited).
+        Called holding the engine's lock."""
         self._history = trimmed(history, self._max_history_turns, _is_user)
-        cache = self._retriever.cache
-        held = held_chunk_ids(self._history, _is_user, _text_of, cache.registry.get)
-        cache.ledger.replace(self._conversation_id, held)
+        self._retriever.cache.ledger.replace(self._conversation_id, self._held_in(self._history))
+
+    def _held_in(self, history: list[ChatMessage]) -> list[str]:
+        """The chunk ids ``history``'s user messages recorded and still hold."""
+        return held_chunk_ids(history, _is_user, _text_of, self._retriever.cache.registry.get)
 
 
 def _bound(llm: LLM, cache: ChunkCache, conversation_id: str) -> LLM:
