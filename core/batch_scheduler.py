@@ -167,7 +167,7 @@ class Scheduler:
         waited that long. Jobs queued meanwhile keep the lengths :meth:`put` was given; jobs
         cancelled or shed meanwhile are not admitted."""
         try:
-            counts = cached_counts(self.engine.store, self.engine.lm.fingerprint, contenders)
+            counts = self._cached_counts(contenders)
         except Exception:  # a store that fails (a user's KVStore): order by the lengths at put
             log.warning("chunkcache batching: reading cached lengths failed", exc_info=True)
             counts = {}
@@ -182,10 +182,22 @@ class Scheduler:
             self._counts["queue_seconds_sum"] += job.admitted - job.submitted
         return job
 
+    def _cached_counts(self, jobs: list[Job]) -> dict[Job, tuple[int, int]]:
+        """:func:`cached_counts` of ``jobs``, each counted in its own salt's namespace: a job
+        is never ordered by what another salt's requests cached."""
+        by_salt: dict[str | None, list[Job]] = {}
+        for job in jobs:
+            by_salt.setdefault(job.request.cache_salt, []).append(job)
+        counts: dict[Job, tuple[int, int]] = {}
+        for salt, salted_jobs in by_salt.items():
+            engine = self.engine.salted(salt)
+            counts.update(cached_counts(engine.store, engine.namespace, salted_jobs))
+        return counts
+
     def _prefill(self, job: Job) -> None:
         request = job.request
         try:
-            job.prefilled = self.engine.prefill(
+            job.prefilled = self.engine.salted(request.cache_salt).prefill(
                 job.segments,
                 request.policy,
                 request.recompute_ratio,
@@ -265,7 +277,8 @@ class Scheduler:
         try:
             final = job.text.finish()
             if job.request.conversation_id is not None:
-                self.engine.remember(job.request.conversation_id, job.state)
+                engine = self.engine.salted(job.request.cache_salt)
+                engine.remember(job.request.conversation_id, job.state)
         except Exception as error:  # e.g. MemoryError copying the KV out: this request's own,
             self._fail(job, error)  # raised on this thread it would stop the scheduler
             return

@@ -42,6 +42,7 @@ what was tried for ``cachecraft``: docs/engine.md.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Iterator, Sequence
@@ -62,7 +63,7 @@ from chunkcache.core.craft_plan import (
 )
 from chunkcache.core.craft_probe import Span
 from chunkcache.core.errors import EmptyPromptError, PromptTooLongError
-from chunkcache.core.generation import GenerationStats, Policy, SamplingParams
+from chunkcache.core.generation import GenerationStats, Policy, SamplingParams, salted_namespace
 from chunkcache.core.kv_store import (
     ROOT_CONTEXT,
     KVStore,
@@ -141,6 +142,9 @@ class ChunkEngine:
     ``max_conversation_tokens`` KV tokens in all (the least recently used, by a turn that
     read or remembered it, go first; 0 keeps none); a sequence longer than that is not
     kept, and its conversation's next turn takes its prefix from the store.
+
+    Store entries and remembered conversations live in :attr:`namespace`, the model
+    fingerprint; :meth:`salted` gives the engine a request with a ``cache_salt`` runs on.
     """
 
     def __init__(
@@ -163,6 +167,19 @@ class ChunkEngine:
         self.store: KVStore = store if store is not None else MemoryKVStore()
         self.craft = craft if craft is not None else CraftConfig()
         self.conversations = ConversationMemory(max_conversations, max_conversation_tokens)
+        self.namespace = lm.fingerprint  # every store key's and remembered conversation's
+
+    def salted(self, cache_salt: str | None) -> ChunkEngine:
+        """This engine for requests carrying ``cache_salt``: the same model, store and
+        conversation memory, with its entries and conversations under a namespace of the
+        salt's own (:func:`~chunkcache.core.generation.salted_namespace`): its requests and
+        those of another salt, or of none, never reuse each other's KV.  Itself for None."""
+        namespace = salted_namespace(self.lm.fingerprint, cache_salt)
+        if namespace == self.namespace:
+            return self
+        view = copy.copy(self)  # shares the store, the memory and the model: a view, not a copy
+        view.namespace = namespace
+        return view
 
     def prefill(
         self,
@@ -194,9 +211,7 @@ class ChunkEngine:
         stats.extra["store"] = usage.as_dict()
         new_tokens = stats.computed_tokens + stats.recomputed_tokens
         seconds = time.perf_counter() - started
-        record_prefill(
-            self.store, self.lm.fingerprint, stored, stats.reused_tokens, new_tokens, seconds
-        )
+        record_prefill(self.store, self.namespace, stored, stats.reused_tokens, new_tokens, seconds)
         return prefilled
 
     def _prefill(
@@ -329,11 +344,21 @@ class ChunkEngine:
             min(prefilled.exact_until, length),
             prefilled.stats.prompt_tokens,
         )
-        self.conversations.keep(conversation_id, past)
+        self.conversations.keep(self._memory_key(conversation_id), past)
 
     def remembered(self) -> dict[str, int]:
-        """The KV tokens kept for each remembered conversation, least recently used first."""
+        """The KV tokens kept for each remembered conversation, least recently used first:
+        keyed by conversation id (a salted one's: see :meth:`_memory_key`)."""
         return self.conversations.lengths()
+
+    def _memory_key(self, conversation_id: str) -> str:
+        """Where :attr:`conversations` keeps ``conversation_id`` of this namespace: the id
+        itself unsalted, else the namespace, NUL, the id.  An unsalted id equal to a salted
+        key would need the salt's digest, which only the salt gives: whoever holds the salt
+        can send it."""
+        if self.namespace == self.lm.fingerprint:
+            return conversation_id
+        return f"{self.namespace}\x00{conversation_id}"
 
     def _take_prefix(
         self,
@@ -348,18 +373,19 @@ class ChunkEngine:
         ``kv`` (a conversation's past may hold blended KV: its ``exact_until`` carries over,
         or with ``exact_only`` the past is taken up to it only).  A policy that
         ``places_chunks`` takes the past up to a stored chunk it would cover in part."""
-        fingerprint = self.lm.fingerprint
         hits: list[KVVariant] = []
         context = ROOT_CONTEXT
         for segment in segments:
-            variant = self.store.exact(fingerprint, segment.segment_id, context)
+            variant = self.store.exact(self.namespace, segment.segment_id, context)
             if variant is None or variant.num_tokens != len(segment.ids):
                 break
             hits.append(variant)
             context = extend_context(context, segment.segment_id)
         from_store = sum(variant.num_tokens for variant in hits)
         past, from_past = (
-            self.conversations.longest_match(conversation_id, ids) if conversation_id else (None, 0)
+            self.conversations.longest_match(self._memory_key(conversation_id), ids)
+            if conversation_id
+            else (None, 0)
         )
         if past is not None and exact_only:  # promised exact KV
             from_past = min(from_past, past.exact_until)
@@ -385,7 +411,7 @@ class ChunkEngine:
         for segment in segments:
             end = start + len(segment.ids)
             if start < length < end:
-                holds = holds_segment(self.store, self.lm.fingerprint, segment.segment_id)
+                holds = holds_segment(self.store, self.namespace, segment.segment_id)
                 return start if segment.is_chunk and holds else length
             start = end
         return length
@@ -406,7 +432,7 @@ class ChunkEngine:
         for i, (segment, span) in enumerate(zip(segments, spans, strict=True)):
             if not segment.is_chunk or span.start < exact:
                 continue
-            variants = self.store.variants(self.lm.fingerprint, segment.segment_id)
+            variants = self.store.variants(self.namespace, segment.segment_id)
             variants = [v for v in variants if v.num_tokens == span.num_tokens]
             if not variants:
                 continue
@@ -456,7 +482,7 @@ class ChunkEngine:
                 kv.v[:, :, start:end].clone(),
                 metas.get(start),
             )
-            self.store.put(self.lm.fingerprint, variant)
+            self.store.put(self.namespace, variant)
             fresh.append((segment.segment_id, context))
         return hits, misses, fresh
 

@@ -8,6 +8,7 @@ engine, ``chunkcache serve`` over HTTP, vLLM) implements :class:`Backend`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # thread: 200,000 of them (2.8 MB) cost 0.16 s a token and stalled every request in a batch.
 # OpenAI takes 4; this is lenient with clients written for other servers.
 MAX_STOP_STRINGS = 16
+# vLLM's rule for ``cache_salt`` (vllm/entrypoints/generate/base/protocol.py), so a salt one
+# backend takes every backend takes: 1-128 characters, none of these.
+MAX_CACHE_SALT_LENGTH = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def check_policy(policy: str) -> Policy:
@@ -85,6 +90,43 @@ def _check_stop(stop: object) -> None:
             check_unicode(string)
         except InvalidTextError as error:
             raise InvalidTextError(f"stop string {i}: {error}") from None
+
+
+def check_cache_salt(cache_salt: object) -> str | None:
+    """Return ``cache_salt`` if it is None or a salt vLLM takes too: a str of 1-128
+    characters, valid Unicode, without ``@``, ``/``, ``\\`` or NUL; else raise ValueError
+    (:class:`~chunkcache.core.errors.InvalidTextError` for a lone surrogate)."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH:
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_LENGTH} characters, got {len(cache_salt)}"
+        )
+    if CACHE_SALT_FORBIDDEN.intersection(cache_salt):
+        raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL")
+    try:
+        return check_unicode(cache_salt)
+    except InvalidTextError as error:
+        raise InvalidTextError(f"cache_salt: {error}") from None
+
+
+def salt_digest(cache_salt: str) -> str:
+    """A 128-bit hex digest of ``cache_salt``: what keys, files and traces hold of a salt,
+    never the salt itself."""
+    h = hashlib.blake2b(digest_size=16, person=b"cc-cache-salt")
+    h.update(cache_salt.encode())
+    return h.hexdigest()
+
+
+def salted_namespace(fingerprint: str, cache_salt: str | None) -> str:
+    """The namespace a request's KV is stored and looked up under: the model ``fingerprint``,
+    with the digest of ``cache_salt`` when there is one, so requests of different salts (or
+    one salted, one not) never share an entry."""
+    if cache_salt is None:
+        return fingerprint
+    return f"{fingerprint}+salt-{salt_digest(cache_salt)}"
 
 
 def openai_sampling(temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
@@ -165,6 +207,12 @@ class GenerationRequest:
     (an int becomes its string) -> :class:`~chunkcache.core.errors.InvalidConversationIdError`,
     a chunk id that is not 1-128 characters of ``[A-Za-z0-9._:-]`` ->
     :class:`~chunkcache.core.errors.InvalidChunkError`.
+
+    ``cache_salt`` isolates the request's cache, as vLLM's does: KV computed under one salt
+    (or under none) is never reused by a request under another, whether stored entries,
+    exact prefixes or a conversation's memory; requests of one salt share as unsalted ones
+    do.  Checked by :func:`check_cache_salt` (vLLM's rule); keys, files and memory hold
+    only its digest (:func:`salted_namespace`).
     """
 
     segments: Sequence[Segment]
@@ -172,6 +220,7 @@ class GenerationRequest:
     policy: Policy = DEFAULT_POLICY
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -184,6 +233,7 @@ class GenerationRequest:
         if self.conversation_id is not None:
             # frozen: the checked id replaces the given one (an int's string)
             object.__setattr__(self, "conversation_id", check_conversation_id(self.conversation_id))
+        check_cache_salt(self.cache_salt)
         for segment in self.segments:
             if isinstance(segment, ChunkSegment):
                 validate_chunk_id(segment.chunk_id)

@@ -7,6 +7,7 @@ give back (segments the caller built: two texts side by side, a chunk too short 
 a chunk's text also in plain text) sends its segments themselves.  The text streams back
 as SSE and the final usage carries the server's :class:`GenerationStats`.  Chat templates
 are applied by the server (``POST /v1/chunkcache/render``), which holds the tokenizer.
+A request's ``cache_salt`` goes as the completion's top-level ``cache_salt``, as to vLLM.
 
 >>> backend = HttpBackend("http://127.0.0.1:8000")  # doctest: +SKIP
 >>> llm = ChunkCacheLLM(cache=ChunkCache(backend=backend))  # doctest: +SKIP
@@ -192,6 +193,8 @@ class HttpBackend:
         if not prompt:
             raise EmptyPromptError("the prompt has no tokens")
         params = request.sampling
+        # vLLM's top-level field; sent only when set (a server older than it ignores it)
+        salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
         return {
             "model": self.model_name,
             "prompt": prompt,
@@ -202,6 +205,7 @@ class HttpBackend:
             "seed": params.seed,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **salt,
             "chunkcache": {
                 **_split(prompt, request.segments),
                 "match_registered": False,

@@ -69,13 +69,14 @@ class LocalBackend:
         started = time.perf_counter()
         segments = self.segment_tokenizer(request.segments)
         params = fit_to_window(request, segments, self.context_window).sampling
+        engine = self.engine.salted(request.cache_salt)
         # Start moving this request's chunks up to host memory while it waits for the engine.
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
-        prefetch(self.engine.store, self.engine.lm.fingerprint, chunk_ids)
+        prefetch(engine.store, engine.namespace, chunk_ids)
         text = TextStream(self.tokenizer, self.eos_ids, params.stop)
         try:
             with self._engine_turn(cancelled):
-                prefilled = self.engine.prefill(
+                prefilled = engine.prefill(
                     segments,
                     request.policy,
                     request.recompute_ratio,
@@ -83,7 +84,7 @@ class LocalBackend:
                     reserve=params.max_tokens,
                 )
             stats = prefilled.stats
-            decoding = cast(Generator[int], self.engine.decode(prefilled, params))  # a generator
+            decoding = cast(Generator[int], engine.decode(prefilled, params))  # a generator
             with closing(decoding) as tokens:
                 while not text.finished:
                     with self._engine_turn(cancelled):  # one decode step
@@ -98,7 +99,7 @@ class LocalBackend:
         except _Cancelled:
             return
         if request.conversation_id is not None:
-            self.engine.remember(request.conversation_id, prefilled)
+            engine.remember(request.conversation_id, prefilled)
         final = text.finish()
         stats.finish_reason = text.finish_reason
         stats.completion_tokens = len(text.tokens)

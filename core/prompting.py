@@ -39,7 +39,16 @@ T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "chunkcache"
 # A wrapper's constructor settings, each also a per-call option of the same name.
-SETTINGS = ("recompute", "recompute_ratio", "max_tokens", "temperature", "top_p", "stop", "seed")
+SETTINGS = (
+    "recompute",
+    "recompute_ratio",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "cache_salt",
+)
 CALL_OPTIONS = frozenset({*SETTINGS, "chunks", "conversation_id"})
 
 
@@ -64,6 +73,7 @@ def build_request(
     *,
     chunks: Sequence[tuple[str, str]] | None = None,
     conversation_id: str | None = None,
+    cache_salt: str | None = None,
     recompute: str = DEFAULT_POLICY,
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
     max_tokens: int = 256,
@@ -78,6 +88,7 @@ def build_request(
     ``chunks`` are (chunk id, text) pairs the caller knows are in the prompt, in
     addition to the texts registered in ``cache``.  ``fit_window``: ``max_tokens`` is cut
     to the room the prompt leaves in the context window (see :class:`SamplingParams`).
+    ``cache_salt`` isolates the request's cache (see :class:`GenerationRequest`).
 
     >>> cache = ChunkCache()
     >>> cache.registry.register("c1", "The quick brown fox jumps over the lazy dog.")
@@ -109,6 +120,7 @@ def build_request(
         policy=check_policy(recompute),
         recompute_ratio=recompute_ratio,
         sampling=sampling,
+        cache_salt=cache_salt,
     )
 
 

@@ -22,7 +22,13 @@ Chunks the registry does not hold (another process retrieved them, or they were
 evicted) can be named per call: ``llm.invoke(messages, chunks=docs)`` takes
 Documents (id: as the retriever computes it, so its own documents keep theirs) or
 (chunk id, text) pairs.  Other per-call options: ``recompute``,
-``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``.
+``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``cache_salt``.
+
+A ``cache_salt`` (vLLM's field, on the model or per call: ``llm.invoke(messages,
+cache_salt=tenant_secret)``) keeps a tenant's cache apart: no request reuses KV computed
+under another salt or none, on every backend.  Traces and LangChain's response cache key
+see its digest, never the salt.
 
 Token counting (``get_num_tokens``, ``get_num_tokens_from_messages``, hence
 ``trim_messages(..., token_counter=llm)``) uses the backend's tokenizer and counts the
@@ -51,7 +57,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
@@ -74,7 +80,7 @@ from langchain_core.messages import (
 )
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, ensure_config
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from chunkcache.core.cache import ChunkCache, default_cache
 from chunkcache.core.chunk_ids import check_unicode, chunk_id_for
@@ -89,7 +95,9 @@ from chunkcache.core.generation import (
     GenerationRequest,
     GenerationStats,
     Policy,
+    check_cache_salt,
     openai_sampling,
+    salt_digest,
 )
 from chunkcache.core.prompting import (
     SETTINGS,
@@ -122,6 +130,8 @@ class ChunkCacheLLM(BaseChatModel):
             (:func:`~chunkcache.core.generation.openai_sampling`): ``temperature=0`` or
             ``top_p=0`` is greedy; ``seed`` is an int from -2**63 to 2**64 - 1, a negative
             one seeded as ``seed + 2**64``, as torch does.
+        cache_salt: isolates this model's requests' cache from other salts' and unsalted
+            ones (see the module docstring); 1-128 characters, no ``@``, ``/``, ``\\``, NUL.
 
     The conversation id is read from ``config["configurable"]`` (``conversation_id``,
     ``session_id`` or ``thread_id``), as :class:`ChunkCacheRetriever` reads it, or
@@ -137,6 +147,10 @@ class ChunkCacheLLM(BaseChatModel):
     top_p: float = Field(default=1.0, ge=0, le=1)
     stop: list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    # a tenant's secret: kept out of repr (LangChain traces a model by its repr) and dumps
+    cache_salt: Annotated[str | None, AfterValidator(check_cache_salt)] = Field(
+        default=None, repr=False, exclude=True
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -159,7 +173,17 @@ class ChunkCacheLLM(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, **{name: getattr(self, name) for name in SETTINGS}}
+        settings = {name: getattr(self, name) for name in SETTINGS}
+        return {"model_name": self.model_name, **_salt_hidden(settings)}
+
+    # Traces and the response cache's key read a call's keyword arguments too.
+    def _get_invocation_params(
+        self, stop: list[str] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        return super()._get_invocation_params(stop=stop, **_salt_hidden(kwargs))
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        return super()._get_llm_string(stop=stop, **_salt_hidden(kwargs))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
@@ -392,6 +416,14 @@ def _with_conversation(config: RunnableConfig | None, kwargs: dict[str, Any]) ->
     if conversation_id is None or "conversation_id" in kwargs:
         return kwargs
     return {**kwargs, "conversation_id": conversation_id}
+
+
+def _salt_hidden(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with its ``cache_salt`` (checked) as the salt's digest: what tells salts
+    apart in traces and in LangChain's response cache key (so one tenant's cached answer is
+    never another's), without holding the salt."""
+    salt = check_cache_salt(params.get("cache_salt"))
+    return params if salt is None else {**params, "cache_salt": f"digest-{salt_digest(salt)}"}
 
 
 def _counting_backend(backend: Backend) -> Any:

@@ -55,7 +55,12 @@ event loop runs on meanwhile.
 Per-call keywords: ``chunks`` (nodes, or (chunk id, text) pairs, for chunks the
 registry does not hold; nodes without text are no chunks, skipped), ``conversation_id``,
 ``recompute``, ``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``, ``stop``,
-``seed``.
+``seed``, ``cache_salt``.
+
+A ``cache_salt`` (vLLM's field: ``ChunkCacheLLM(cache_salt=tenant_secret)``) keeps a
+tenant's cache apart: no request reuses KV computed under another salt or none, on every
+backend.  It is left out of the LLM's dumps and repr (LlamaIndex's instrumentation events
+carry them).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
@@ -83,7 +88,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ThinkingBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BeforeValidator, Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
@@ -102,6 +107,7 @@ from chunkcache.core.generation import (
     GenerationRequest,
     GenerationStats,
     Policy,
+    check_cache_salt,
     openai_sampling,
 )
 from chunkcache.core.ledger import check_conversation_id
@@ -169,7 +175,8 @@ class ChunkCacheLLM(LLM):
     ``max_tokens``, ``temperature``, ``top_p``, ``stop`` and ``seed`` decode, as OpenAI's
     API takes them (:func:`~chunkcache.core.generation.openai_sampling`): ``temperature``
     0 or ``top_p`` 0 is greedy; ``seed`` is an int from -2**63 to 2**64 - 1, a negative
-    one seeded as ``seed + 2**64``, as torch does.  ``metadata.context_window`` is the
+    one seeded as ``seed + 2**64``, as torch does.  ``cache_salt`` isolates the LLM's
+    requests' cache (see the module docstring).  ``metadata.context_window`` is the
     backend's ``context_window`` as the backend knows it now (``vllm`` asks its server
     again after a refusal, so a server restarted with another ``--max-model-len`` is
     followed), else LlamaIndex's default (3900 tokens).  What LlamaIndex built from an
@@ -189,6 +196,9 @@ class ChunkCacheLLM(LLM):
     stop: list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     conversation_id: ConversationIdField = None
+    cache_salt: Annotated[str | None, BeforeValidator(check_cache_salt)] = Field(
+        default=None, repr=False, exclude=True
+    )
     # (the cache they were read from, the facts as last read): see _model_facts
     _facts: tuple[ChunkCache, _ModelFacts] | None = PrivateAttr(default=None)
 

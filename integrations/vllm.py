@@ -5,7 +5,9 @@ adds on this route is the prompt's layout (CRAFT §4.2-4.3): the retriever wrapp
 chunks in frequency/tree order and the multi-turn layout keeps everything that stays
 before what changes.  This backend then sends the prompt as it is, text already
 rendered with the model's chat template, to ``/v1/completions`` and reports vLLM's
-cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).
+cached prompt tokens as ``reused_tokens`` (``usage_metadata`` ``cache_read``).  A request's
+``cache_salt`` goes to vLLM as its own ``cache_salt``, so vLLM's prefix cache is isolated
+as the local engine's is.
 
 The context window: vLLM itself cuts ``max_tokens`` to the room a prompt leaves.  This
 backend keeps the local backends' rule instead (:func:`~chunkcache.core.generation.
@@ -319,6 +321,8 @@ class VllmBackend:
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = signed_seed(params.seed)
+        if request.cache_salt is not None:  # vLLM salts its prefix cache's block hashes with it
+            body["cache_salt"] = request.cache_salt
         return body
 
 

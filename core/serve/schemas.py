@@ -22,6 +22,9 @@ OpenAI reads it; ``stop`` takes at most 16 strings, and an empty one is ignored;
 :class:`~chunkcache.core.generation.SamplingParams` does not); ``top_p`` 0 is greedy; ``seed``
 is any integer ``torch.Generator.manual_seed`` takes: OpenAI's signed 64-bit range, and up to
 2**64 - 1.
+
+A top-level ``cache_salt`` (vLLM's field: 1-128 characters, no ``@``, ``/``, ``\\`` or NUL)
+isolates the request's cache: see :class:`~chunkcache.core.generation.GenerationRequest`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from chunkcache.core.generation import (
     SEED_MAX,
     SEED_MIN,
     Policy,
+    check_cache_salt,
     openai_sampling,
 )
 
@@ -254,6 +258,7 @@ class GenerationBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: Annotated[str | None, AfterValidator(check_cache_salt)] = None
     chunkcache: ChunkCacheOptions = Field(default_factory=ChunkCacheOptions)
 
     @model_validator(mode="before")

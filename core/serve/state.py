@@ -101,6 +101,7 @@ class ServeState:
             self.cache if matching else self.unregistered,
             chunks=chunks,
             conversation_id=options.conversation_id,
+            cache_salt=body.cache_salt,
             recompute=options.policy or DEFAULT_POLICY,
             recompute_ratio=(
                 DEFAULT_RECOMPUTE_RATIO
