@@ -26,6 +26,8 @@ decoding while it runs (no chunked prefill).
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,9 @@ class BatchingBackend:
     closed or dropped before its end is cancelled and frees its batch slot; its KV is let go
     as it ends or leaves the batch, even while its consumer still holds the stream. A
     batched decode step that fails is taken again one request at a time: only the requests
-    whose own step fails end, each raising its own error object.
+    whose own step fails end, each raising its own error object. A backend dropped without
+    :meth:`shutdown` shuts down as it is collected: the requests it runs and queues finish,
+    then its scheduler thread ends and lets the engine go.
     """
 
     def __init__(
@@ -73,6 +77,9 @@ class BatchingBackend:
         self.tokenizer = engine.lm.tokenizer
         self.segment_tokenizer = SegmentTokenizer(self.tokenizer)
         self._scheduler = Scheduler(engine, max_queue, max_batch, starvation_window)
+        # The scheduler's thread holds the scheduler, and it the engine (model, KV, store):
+        # without this, a dropped backend (a model swapped for another) kept them all.
+        weakref.finalize(self, _stop, self._scheduler).atexit = False
 
     @classmethod
     def default(
@@ -127,3 +134,12 @@ class BatchingBackend:
         """Take no more requests; finish the running ones and, when ``drain``, the queued ones
         too (else they fail with :class:`ShuttingDownError`). True once the scheduler stopped."""
         return self._scheduler.shutdown(timeout_s, drain)
+
+
+def _stop(scheduler: Scheduler) -> None:
+    """Shut ``scheduler`` down without waiting: its backend is gone, so nobody submits,
+    and the requests it holds (their consumers may still read) finish first."""
+    # A cyclic collection may run this on the scheduler's own thread, which cannot join
+    # itself (RuntimeError); it has been told to stop by then, all that is needed.
+    with contextlib.suppress(RuntimeError):
+        scheduler.shutdown(timeout_s=0.0, drain=True)
