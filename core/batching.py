@@ -114,11 +114,12 @@ class BatchingBackend:
         self._scheduler.check_open()  # refuse before tokenizing when we can
         segments = self.segment_tokenizer(request.segments)
         request = fit_to_window(request, segments, self.context_window)
-        lm = self.engine.lm
+        engine = self.engine.salted(request.cache_salt)  # its own salt's entries only
         chunk_ids = [segment.segment_id for segment in segments if segment.is_chunk]
-        prefetch(self.engine.store, lm.fingerprint, chunk_ids)  # RAG-DCache §III.B
-        job = Job(request, segments, TextStream(self.tokenizer, lm.eos_ids, request.sampling.stop))
-        self._scheduler.put(job, *cached_tokens(self.engine.store, lm.fingerprint, segments))
+        prefetch(engine.store, engine.namespace, chunk_ids)  # RAG-DCache §III.B
+        stream = TextStream(self.tokenizer, engine.lm.eos_ids, request.sampling.stop)
+        job = Job(request, segments, stream)
+        self._scheduler.put(job, *cached_tokens(engine.store, engine.namespace, segments))
         return RequestHandle(job, self._scheduler.alive)
 
     def stream(self, request: GenerationRequest) -> RequestHandle:

@@ -19,6 +19,7 @@ from test_vllm_backend import FakeVllm, make_backend
 from tiny_models import TOLERANCE, chunk, random_ids, text, tiny_lm
 from torch import Tensor
 
+from chunkcache.core import batching
 from chunkcache.core.batch_queue import Job
 from chunkcache.core.batching import BatchingBackend
 from chunkcache.core.cache import ChunkCache
@@ -345,3 +346,27 @@ def test_llama_index_llm_takes_a_salt_and_keeps_it_out_of_its_dumps() -> None:
     assert TENANT_A not in json.dumps(llm.to_dict(), default=str) and TENANT_A not in repr(llm)
     with pytest.raises(ValueError, match="cache_salt"):
         LlamaIndexLLM(cache=ChunkCache(backend=backend), cache_salt="x" * 129)
+
+
+def test_a_batched_request_prefetches_and_is_first_counted_under_its_own_salt(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefetching another salt's entries is wasted work, and a first queue position counted
+    from them a timing signal across tenants."""
+    namespaces: list[str] = []
+    counting = batching.cached_tokens
+
+    def counted(store: Any, namespace: str, segments: Any) -> tuple[int, int]:
+        namespaces.append(namespace)
+        return counting(store, namespace, segments)
+
+    monkeypatch.setattr(batching, "prefetch", lambda store, ns, ids: namespaces.append(ns))
+    monkeypatch.setattr(batching, "cached_tokens", counted)
+    backend = BatchingBackend(ChunkEngine(lm))
+    try:
+        sampling = SamplingParams(max_tokens=1)
+        request = GenerationRequest([TextSegment("w1 w2")], cache_salt=TENANT_A, sampling=sampling)
+        list(backend.submit(request))
+    finally:
+        backend.shutdown()
+    assert namespaces == [salted_namespace(lm.fingerprint, TENANT_A)] * 2
