@@ -497,3 +497,22 @@ def test_real_vllm_prompts_over_the_window(real_backend: VllmBackend, vllm_url: 
     with pytest.raises(PromptTooLongError, match="refused the prompt"):
         generate(uncounted, too_long)
     uncounted.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_keeps_salted_prefix_caches_apart(real_backend: VllmBackend) -> None:
+    content = "Salted. " + f"{CHUNK} " * 8 + "Who?"  # a prefix no other test sends
+    prompt = real_backend.render_chat([{"role": "user", "content": content}])
+
+    def reused(salt: str | None) -> int:
+        ask = GenerationRequest(
+            [TextSegment(prompt)], sampling=SamplingParams(max_tokens=1), cache_salt=salt
+        )
+        return generate(real_backend, ask)[1].reused_tokens
+
+    assert reused("tenant-a-4bT9qk2LxZ") == 0  # computed and cached under A's salt
+    assert reused("tenant-b-Qm7Rw1s8Vd") == 0  # another salt: nothing of A's
+    # no salt: nothing of A's (at most the chat template's system header other tests cached)
+    assert reused(None) < 64
+    assert reused("tenant-a-4bT9qk2LxZ") > 100  # A's own cache
