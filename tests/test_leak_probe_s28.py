@@ -420,11 +420,6 @@ def test_a_request_still_read_when_its_batching_backend_is_dropped_runs_to_its_e
     assert not thread.is_alive()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core/store/disk_index.py (another helper's): removing an entry leaves its "
-    "segment's folders; fix proposed in the s28 leak probe's report",
-)
 def test_the_disk_tier_leaves_no_folder_per_segment_it_ever_held(tmp_path: Path) -> None:
     """Every segment ever written kept its (empty) folder: a service meeting new chunks for
     weeks piles up one folder per chunk it ever stored on disk (an inode and a block each,

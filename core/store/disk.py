@@ -19,7 +19,9 @@ others are evicted: a commit interrupted there, or failing, keeps it), the old h
 removed, the data renamed into place, then the header (the commit), then the directory
 fsynced.  A process killed at any point leaves either the old entry, no entry, or the new
 entry, plus at worst a data file without a header or a temp file, both
-swept on the next open (as is a header whose data someone deleted).  Reads take
+swept on the next open (as is a header whose data someone deleted).  Removing an entry
+removes its segment folder and the one above once empty (one per segment ever written would
+pile up otherwise); a write whose new folder a removal took meanwhile makes it again.  Reads take
 no lock.  :meth:`DiskTier.get` reads a whole entry and verifies its header and every layer
 (codec.decode).  :meth:`DiskTier.open_lazy` reads and verifies only the header and opens the
 data file; its layers are then read one at a time, each verified against its checksum as it
@@ -156,15 +158,11 @@ class DiskTier:
         raw = codec.header_bytes(header)
         if len(data) + len(raw) > self.capacity_bytes:
             return None
-        data_path, header_path = self._index.paths(key)
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_data = _write_temp(data_path, data)
         try:
-            tmp_header = _write_temp(header_path, raw)
-        except BaseException:
-            tmp_data.unlink(missing_ok=True)
-            raise
-        return PreparedWrite(key, len(data) + len(raw), (tmp_data, tmp_header))
+            temps = self._write_temps(key, data, raw)
+        except FileNotFoundError:  # a removal (unlocked from here) took the empty folder
+            temps = self._write_temps(key, data, raw)
+        return PreparedWrite(key, len(data) + len(raw), temps)
 
     def commit(self, prepared: PreparedWrite, victim: Victim, evicted: Evicted) -> bool:
         """The quick part of :meth:`put`, under the lock: make room, rename into place.
@@ -200,6 +198,18 @@ class DiskTier:
             self._index.remove_files(key)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _write_temps(self, key: EntryKey, data: bytes, header: bytes) -> tuple[Path, Path]:
+        """The entry's data and header in temp files in its (new or existing) folder."""
+        data_path, header_path = self._index.paths(key)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_data = _write_temp(data_path, data)
+        try:
+            tmp_header = _write_temp(header_path, header)
+        except BaseException:
+            tmp_data.unlink(missing_ok=True)
+            raise
+        return tmp_data, tmp_header
 
     def _read(self, key: EntryKey, fingerprint: str) -> KVVariant:
         data_path, header_path = self._index.paths(key)

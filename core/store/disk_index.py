@@ -8,6 +8,9 @@ left behind.  Entry IO (encode, decode, lazy opens) is the tier's.
 
 Only files of an entry's shape (:data:`_ENTRY_FILE`) are ever counted, swept or evicted: the
 directory may be shared with files of someone else's, even in folders named like ours.
+Removing an entry removes its segment folder and that folder's parent once they are empty
+(only those: a folder still holding anything stays), as the sweep does for empty ones of an
+entry's shape that older runs left.
 
 A directory this process cannot write (a read-only mount, a cache baked into an image,
 permissions) opens read-only (:attr:`DiskIndex.read_only_reason`): no file lock, no sweep,
@@ -36,9 +39,8 @@ _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _HASH = "[0-9a-f]{32}"  # codec.digest
 # A file of an entry below a layout folder (every format's shape so far):
 # <ns>/<seg[:2]>/<seg>/<ctx>.json|.safetensors, or a writer's temp file beside them.
-_ENTRY_FILE = re.compile(
-    rf"{_HASH}/([0-9a-f]{{2}})/\1[0-9a-f]{{30}}/(\.tmp\..+|{_HASH}\.(json|safetensors))"
-)
+_ENTRY_FOLDER = rf"{_HASH}/([0-9a-f]{{2}})/\1[0-9a-f]{{30}}"
+_ENTRY_FILE = re.compile(rf"{_ENTRY_FOLDER}/(\.tmp\..+|{_HASH}\.(json|safetensors))")
 
 
 class DiskIndex:
@@ -109,6 +111,7 @@ class DiskIndex:
             for path in (header_path, data_path):  # uncommit first
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+            _remove_if_empty(data_path.parent)
         self._bytes -= self._sizes.pop(key, 0)
 
     def _open(self) -> None:
@@ -162,7 +165,8 @@ class DiskIndex:
 
     def _sweep(self) -> None:
         """Remove what a killed writer left (data without a header, dead writers' temp
-        files), headers whose data was deleted, and the entries of older formats."""
+        files), headers whose data was deleted, the entries of older formats, and the empty
+        segment folders older runs left (only folders of an entry's shape)."""
         for old in self.root.glob("v*"):
             version = old.name[1:]
             if old.is_dir() and version.isdigit() and int(version) < codec.FORMAT_VERSION:
@@ -173,6 +177,9 @@ class DiskIndex:
                     _unlink_quietly(path)
             elif path.suffix in (".safetensors", ".json") and not _pair(path).exists():
                 _unlink_quietly(path)
+        for folder in self.data_root.glob("*/*/*"):
+            if re.fullmatch(_ENTRY_FOLDER, "/".join(folder.parts[-3:])):
+                _remove_if_empty(folder)
 
 
 def _entry_files(layout: Path, name: str) -> Iterator[Path]:
@@ -190,6 +197,17 @@ def _remove_entries(layout: Path) -> None:
         for folder in (path.parent, path.parent.parent, path.parent.parent.parent, layout):
             with contextlib.suppress(OSError):  # not empty: it holds more
                 folder.rmdir()
+
+
+def _remove_if_empty(segment_folder: Path) -> None:
+    """Remove an entry's segment folder and then its parent if they are empty: each would
+    otherwise stay, an inode and a block, for every segment ever written, and every rescan
+    would walk them.  One still holding files (another entry, a writer's temp file) stays."""
+    for folder in (segment_folder, segment_folder.parent):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, or gone
+            return
 
 
 def _unlink_quietly(path: Path) -> None:
