@@ -27,7 +27,8 @@ TIER_COUNTERS = (
     "errors",
     "backfilled",
 )
-STORE_COUNTERS = ("lookups", "hits", "misses", "puts")
+# write_through_skipped: puts whose write-through the backlog's cap turned away
+STORE_COUNTERS = ("lookups", "hits", "misses", "puts", "write_through_skipped")
 
 
 class StoreUsage:

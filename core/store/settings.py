@@ -44,6 +44,7 @@ from chunkcache.core.paths import home_subdir, user_path
 if TYPE_CHECKING:
     from chunkcache.core.store.tier import Tier
 
+MiB = 2**20
 GiB = 2**30
 REDIS_URL_ENV = "CHUNKCACHE_STORE_REDIS_URL"
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -80,6 +81,12 @@ class StoreSettings(CheckedEnvSettings):
         default=True,
         description="also write new variants to disk/Redis in the background, so other "
         "processes and the next start see them",
+    )
+    write_through_backlog_bytes: int = Field(
+        default=256 * MiB,
+        ge=0,
+        description="KV that write-throughs waiting for a busy disk/Redis may hold; one "
+        "past it is skipped (its entry goes down when evicted)",
     )
 
     if not TYPE_CHECKING:  # type checkers keep the __init__ typed by the fields

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# KV bytes queued write-throughs may hold: each holds its variant until a busy disk or Redis
+# takes it, and ~6 MB a 256-token chunk (SmolLM2, bf16) soon makes GBs of an unbounded queue.
+WRITE_THROUGH_BACKLOG_BYTES = 256 * 2**20
 
 
 class TieredKVStore(TieredReads):
@@ -67,17 +70,25 @@ class TieredKVStore(TieredReads):
     background thread, so other processes and the next start see it without waiting for an
     eviction (RAG-DCache keeps chunk KV on disk); a later eviction then just drops the copy.
     A write-through Redis missed while down is made once it answers again, if a local tier
-    still holds the entry.
+    still holds the entry.  Queued write-throughs hold at most ``write_through_backlog_bytes``
+    of KV (or one variant, whatever its size): one past that is skipped and counted
+    (``write_through_skipped``), and its entry goes down when the fastest tier evicts it.
     """
 
     def __init__(
-        self, tiers: Sequence[Tier], policy: str = "lru", write_through: bool = False
+        self,
+        tiers: Sequence[Tier],
+        policy: str = "lru",
+        write_through: bool = False,
+        write_through_backlog_bytes: int = WRITE_THROUGH_BACKLOG_BYTES,
     ) -> None:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
         self.policy_name = policy
         self.write_through = write_through
+        self.write_through_backlog_bytes = write_through_backlog_bytes
+        self._backlog_bytes = 0  # KV held by queued and running write-throughs
         self.cost_model = PrefillCostModel()
         self.policies = [make_policy(policy) for _ in self.tiers]
         for p in self.policies:
@@ -127,7 +138,10 @@ class TieredKVStore(TieredReads):
                 self._prune_stats()
                 self._newer = {k: n for k, n in self._newer.items() if k in self.stats}
         if self.write_through and len(self.tiers) > 1:
-            self._submit(self._write_through, key, fingerprint, variant, number)
+            if self._hold_for_write_through(variant.num_bytes):
+                self._submit(self._write_through, key, fingerprint, variant, number)
+            else:  # ``_newer`` still names it: written down when evicted
+                self._metrics.store("write_through_skipped")
 
     def exact(self, fingerprint: str, segment_id: str, context: str) -> KVVariant | None:
         key = entry_key(fingerprint, segment_id, context)
@@ -192,7 +206,12 @@ class TieredKVStore(TieredReads):
         from chunkcache.core.store.settings import StoreSettings, build_tiers
 
         settings = settings if settings is not None else StoreSettings(**overrides)
-        return cls(build_tiers(settings), settings.policy, settings.write_through)
+        return cls(
+            build_tiers(settings),
+            settings.policy,
+            settings.write_through,
+            settings.write_through_backlog_bytes,
+        )
 
     def prefetch(self, fingerprint: str, segment_ids: Sequence[str]) -> Future[int]:
         """Start copying every stored variant of ``segment_ids`` up to the fastest tier in the
@@ -229,10 +248,11 @@ class TieredKVStore(TieredReads):
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges: ``{"policy", "lookups", "hits", "misses", "puts",
-        "corrupt_dropped", "tiers": {name: {capacity_bytes, bytes, entries, hits, misses,
-        evictions, demotions, promotions, prefetched, corrupt_dropped, load_seconds,
-        bytes_loaded, errors, backfilled}}}``; Redis also has ``up``, ``backfill_pending``
-        (write-throughs missed while down, still to make) and ``backfill_forgotten``."""
+        "write_through_skipped", "corrupt_dropped", "tiers": {name: {capacity_bytes, bytes,
+        entries, hits, misses, evictions, demotions, promotions, prefetched, corrupt_dropped,
+        load_seconds, bytes_loaded, errors, backfilled}}}``; Redis also has ``up``,
+        ``backfill_pending`` (write-throughs missed while down, still to make) and
+        ``backfill_forgotten``."""
         out = self._metrics.snapshot()
         for i, tier in enumerate(self.tiers):
             counts = out["tiers"][tier.name]
@@ -288,6 +308,16 @@ class TieredKVStore(TieredReads):
                 close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _hold_for_write_through(self, num_bytes: int) -> bool:
+        """Whether a write-through of ``num_bytes`` of KV may queue: the backlog stays within
+        its cap, or is empty (a variant larger than the cap goes alone)."""
+        with self._lock:
+            backlog = self._backlog_bytes
+            if backlog and backlog + num_bytes > self.write_through_backlog_bytes:
+                return False
+            self._backlog_bytes = backlog + num_bytes
+            return True
 
     def _submit(self, call: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``call`` on the one background thread (in submission order); a failure is

@@ -5,7 +5,9 @@ the lower copy stays; a tier that must make room asks its policy for a victim, w
 one tier down unless a lower tier already holds a copy (RAGCache §5.1: swap out only once,
 multi-level eviction); leaving the last tier drops it for good and tells the drop listeners,
 unless a faster tier still holds a copy promoted from below.
-Write-through copies a new variant to every lower tier (RAG-DCache §III).  A put replaces
+Write-through copies a new variant to every lower tier (RAG-DCache §III); past the store's
+cap on the KV bytes queued write-throughs hold, one is skipped (counted), and its entry moves
+down when evicted, as when no write-through ran.  A put replaces
 an older variant under the same key (approximate KV, say, now computed exactly) in every
 tier: write-through rewrites a lower copy that differs, and, where none ran, the put variant
 drops such a copy when it is evicted and moves down in its place.  A failing tier is
@@ -41,11 +43,19 @@ class TieredMoves(TieredDrops):
     _backfill_queued: set[int]
     _closed: bool
     _submit: Callable[..., Future[Any]]
+    _backlog_bytes: int
 
     def _write_through(self, key: EntryKey, fingerprint: str, variant: KVVariant, put: int) -> None:
         """Copy the variant of put number ``put`` to every lower tier; once every one holds
-        it, an eviction need not check their copies (:meth:`_demote_newer`)."""
-        held = [self._write_down(i, key, fingerprint, variant) for i in range(1, len(self.tiers))]
+        it, an eviction need not check their copies (:meth:`_demote_newer`).  Its bytes
+        leave the write-through backlog then, whatever happened."""
+        try:
+            held = [
+                self._write_down(i, key, fingerprint, variant) for i in range(1, len(self.tiers))
+            ]
+        finally:
+            with self._lock:
+                self._backlog_bytes -= variant.num_bytes
         with self._lock:
             if all(held) and self._newer.get(key) == put:
                 del self._newer[key]
