@@ -40,11 +40,11 @@ from pydantic_settings import (
 from chunkcache.core.env_settings import CheckedEnvSettings
 from chunkcache.core.errors import UsageError
 from chunkcache.core.paths import home_subdir, user_path
+from chunkcache.core.store.tiered import WRITE_THROUGH_BACKLOG_BYTES
 
 if TYPE_CHECKING:
     from chunkcache.core.store.tier import Tier
 
-MiB = 2**20
 GiB = 2**30
 REDIS_URL_ENV = "CHUNKCACHE_STORE_REDIS_URL"
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -83,7 +83,7 @@ class StoreSettings(CheckedEnvSettings):
         "processes and the next start see them",
     )
     write_through_backlog_bytes: int = Field(
-        default=256 * MiB,
+        default=WRITE_THROUGH_BACKLOG_BYTES,
         ge=0,
         description="KV that write-throughs waiting for a busy disk/Redis may hold; one "
         "past it is skipped (its entry goes down when evicted)",
