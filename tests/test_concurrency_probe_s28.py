@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from concurrency_support import TIMEOUT_S, run_threads
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import (
@@ -62,7 +63,6 @@ from chunkcache.integrations.langchain_history import (
     with_chunk_history,
 )
 
-TIMEOUT_S = 60
 POLICIES: tuple[tuple[Policy, float], ...] = (
     ("full", 0.15),
     ("prefix", 0.15),
@@ -427,25 +427,6 @@ class TabbedChat:
             question = next(q for q in self.base.plan if prompt.rstrip().endswith(q))
             missing = [fact for fact in self.base.plan[question] if fact not in prompt]
             assert not missing, f"{question!r}: {missing} not in {prompt!r}"
-
-
-def run_threads(calls: list[Any]) -> list[BaseException]:
-    """Run each of ``calls`` in its own thread; what they raised."""
-    errors: list[BaseException] = []
-
-    def run(call: Any) -> None:
-        try:
-            call()
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
-    return errors
 
 
 def config(session: str) -> RunnableConfig:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import pytest
+from concurrency_support import TIMEOUT_S, await_until, wait_until
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue
@@ -26,7 +26,6 @@ import chunkcache.integrations.langchain_history as langchain_history
 from chunkcache.integrations.langchain_chat_turns import HISTORY_LOCKS, Turn
 from chunkcache.integrations.langchain_history import chunk_chat_prompt, with_chunk_history
 
-TIMEOUT_S = 60
 SESSION = "s"
 CONFIG = RunnableConfig(configurable={"session_id": SESSION})
 
@@ -123,20 +122,6 @@ def chat(
 
 def no_documents(question: str) -> list[Document]:
     return []
-
-
-def wait_until(done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
-async def await_until(done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
 
 
 def other_turn_waits() -> bool:

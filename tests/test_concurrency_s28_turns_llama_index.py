@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from concurrency_support import TIMEOUT_S, run_threads
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -34,7 +35,6 @@ from chunkcache.core.cache import ChunkCache
 from chunkcache.core.chunk_ids import chunk_id
 from chunkcache.integrations.llama_index_chat import ChunkCacheChatEngine
 
-TIMEOUT_S = 60
 FACTS = [f"Fact {i}: the depot at gate {i} opens at {i + 6} o'clock." for i in range(6)]
 PLAN = {
     "qa": [FACTS[0], FACTS[1]],
@@ -146,24 +146,6 @@ async def aask(engine: ChunkCacheChatEngine, method: str, question: str) -> str:
     return "".join([token async for token in streamed.async_response_gen()])
 
 
-def run_threads(calls: list[Callable[[], object]]) -> None:
-    errors: list[BaseException] = []
-
-    def run(call: Callable[[], object]) -> None:
-        try:
-            call()
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(call,), daemon=True) for call in calls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads), "a turn hung"
-    assert not errors, errors
-
-
 def assert_every_retrieved_fact_is_sent(llm: HookedLLM) -> None:
     """Each prompt holds every fact its question retrieved (sent now or in its history)."""
     for prompt in llm.prompts:
@@ -203,7 +185,7 @@ def test_a_turn_sends_the_chunk_a_turn_running_at_once_recorded(method: str) -> 
     retrieval was planned: B's prompt, whose history lacks A's unsaved turn, must send it."""
     engine, retriever, llm = make_engine()
     hold_b_until_a_is_sent(retriever, llm, retrieval=0)
-    run_threads([lambda: ask(engine, method, "qb"), lambda: ask(engine, method, "qa")])
+    assert not run_threads([lambda: ask(engine, method, "qb"), lambda: ask(engine, method, "qa")])
     assert len(llm.prompts) == 2
     assert_every_retrieved_fact_is_sent(llm)
 
@@ -251,7 +233,7 @@ def test_a_turn_retrieving_again_after_a_trim_sends_the_chunk_another_turn_recor
 
     monkeypatch.setattr(engine, "_fits", fits)
     hold_b_until_a_is_sent(retriever, llm, retrieval=1)
-    run_threads([lambda: engine.chat("qb"), lambda: engine.chat("qa")])
+    assert not run_threads([lambda: engine.chat("qb"), lambda: engine.chat("qa")])
     assert False in fitted and len(llm.prompts) == 2
     assert_every_retrieved_fact_is_sent(llm)
 
@@ -275,7 +257,7 @@ def test_two_turns_at_once_are_both_kept() -> None:
         engine.chat("qa")
         a_saved.set()
 
-    run_threads([lambda: engine.chat("qb"), a_turn])
+    assert not run_threads([lambda: engine.chat("qb"), a_turn])
     assert questions_in(engine) == ["qa", "qb"]
 
 

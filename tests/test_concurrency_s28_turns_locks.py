@@ -8,31 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from concurrency_support import TIMEOUT_S, await_until, wait_until
 
 from chunkcache.core.chat_turns import retrimmed
 from chunkcache.core.session_locks import SessionLocks
-
-TIMEOUT_S = 60
-
-
-def wait_until(done: Callable[[], bool]) -> None:
-    """Wait (in this thread) until ``done()``; fails past TIMEOUT_S."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
-async def await_until(done: Callable[[], bool]) -> None:
-    """Wait (letting the event loop run) until ``done()``; fails past TIMEOUT_S."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
 
 
 def test_threads_of_one_session_take_turns_first_come_first_served() -> None:
